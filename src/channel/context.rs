@@ -1,0 +1,252 @@
+//! `Context`: settings, I/O threads and transport state shared by channels.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Channel, Listener};
+use crate::error::Result;
+use crate::transport::{Config, IoEngine, Transports};
+use crate::url::Endpoint;
+use crate::wire::Limits;
+use crate::{Error, ErrorKind};
+
+/// The root object: holds the settings, the I/O threads (started on first use of `tcp://`)
+/// and the `inproc://` names. Cheap to clone; clones share everything.
+///
+/// The I/O threads live as long as the context or any channel or listener made from it.
+/// A context works from any executor: `bind` and `connect` hand their work to its I/O
+/// threads, so it is safe to use from `#[tokio::main]` (multi-thread or current-thread)
+/// without nesting runtimes.
+#[derive(Clone)]
+pub struct Context {
+    inner: Arc<Transports>,
+}
+
+impl Default for Context {
+    fn default() -> Context {
+        Context::new()
+    }
+}
+
+impl Context {
+    /// A context with default settings (see [`ContextBuilder`]). An unreadable
+    /// `HYPERFRAMES_IO` is logged and ignored here; [`ContextBuilder::build`] reports it.
+    pub fn new() -> Context {
+        match Context::builder().build() {
+            Ok(ctx) => ctx,
+            Err(e) => {
+                tracing::warn!("{e}; using defaults");
+                Context {
+                    inner: Arc::new(Transports::new(Config::default())),
+                }
+            }
+        }
+    }
+
+    /// A builder for settings other than the defaults.
+    pub fn builder() -> ContextBuilder {
+        ContextBuilder {
+            cfg: Config::default(),
+            env_engine: IoEngine::from_env(),
+        }
+    }
+
+    /// Listens at `url` (`tcp://0.0.0.0:5555`, `tcp://[::1]:0`, `inproc://name`). Port 0
+    /// picks a free port: [`Listener::local_url`] tells which.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: if dropped before completion, nothing stays bound.
+    pub async fn bind(&self, url: &str) -> Result<Listener> {
+        let ep = Endpoint::parse(url)?;
+        let (half, local_url) = self.inner.bind(&ep).await?;
+        Ok(Listener::new(half, local_url))
+    }
+
+    /// Connects to a listener at `url` and completes the handshake.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: if dropped before completion, a connection that was being set up is
+    /// closed.
+    pub async fn connect(&self, url: &str) -> Result<Channel> {
+        let ep = Endpoint::parse(url)?;
+        let parts = self.inner.connect(&ep).await?;
+        Ok(Channel::from_parts(parts))
+    }
+
+    /// The limits this context enforces on what it receives (and advertises to peers).
+    pub fn limits(&self) -> &Limits {
+        &self.inner.config().limits
+    }
+
+    /// The engine `tcp://` runs on: `None` until the first `tcp://` bind or connect started
+    /// the I/O threads; then `Uring` or `Epoll`.
+    pub fn io_engine(&self) -> Option<IoEngine> {
+        self.inner.tcp_engine()
+    }
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("config", self.inner.config())
+            .finish()
+    }
+}
+
+/// Settings for a [`Context`]. Every setter documents its default.
+#[derive(Debug)]
+#[must_use]
+pub struct ContextBuilder {
+    cfg: Config,
+    env_engine: Result<IoEngine>,
+}
+
+impl ContextBuilder {
+    /// Receive limits advertised to peers and enforced on what arrives. Default:
+    /// [`Limits::default`] (64 MiB bodies, 4 KiB / 32 entries of metadata).
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.cfg.limits = limits;
+        self
+    }
+
+    /// Largest body accepted, in bytes. Default 64 MiB; at most 1 TiB.
+    pub fn max_body(mut self, bytes: u64) -> Self {
+        self.cfg.limits.max_body = bytes;
+        self
+    }
+
+    /// Largest encoded metadata accepted, in bytes. Default 4096.
+    pub fn max_meta_bytes(mut self, bytes: u32) -> Self {
+        self.cfg.limits.max_meta_bytes = bytes;
+        self
+    }
+
+    /// Most metadata entries accepted. Default 32.
+    pub fn max_meta_entries(mut self, entries: u16) -> Self {
+        self.cfg.limits.max_meta_entries = entries;
+        self
+    }
+
+    /// Number of I/O threads for `tcp://` (connections are spread over them). Default 1.
+    pub fn io_threads(mut self, n: usize) -> Self {
+        self.cfg.io_threads = n;
+        self
+    }
+
+    /// The I/O engine. Default: `HYPERFRAMES_IO` if set (`uring`, `epoll`, `auto`), else
+    /// [`IoEngine::Auto`]. Setting it here overrides the environment.
+    pub fn io_engine(mut self, engine: IoEngine) -> Self {
+        self.cfg.engine = engine;
+        self.env_engine = Ok(engine);
+        self
+    }
+
+    /// Messages and body bytes queued per channel between a `Sender` and its transport.
+    /// Default 1024 messages, 16 MiB (one larger message is always admitted).
+    pub fn send_queue(mut self, messages: usize, bytes: usize) -> Self {
+        self.cfg.send_queue = messages;
+        self.cfg.send_queue_bytes = bytes;
+        self
+    }
+
+    /// Messages and body bytes received and queued per channel before reading from the
+    /// peer pauses (which backpressures the peer). Default 1024 messages, 16 MiB.
+    pub fn recv_queue(mut self, messages: usize, bytes: usize) -> Self {
+        self.cfg.recv_queue = messages;
+        self.cfg.recv_queue_bytes = bytes;
+        self
+    }
+
+    /// Connections accepted but not yet taken by [`Listener::accept`]. Default 128.
+    pub fn accept_backlog(mut self, n: usize) -> Self {
+        self.cfg.accept_backlog = n;
+        self
+    }
+
+    /// Deadline for establishing a connection. Default 10 s.
+    pub fn connect_timeout(mut self, d: Duration) -> Self {
+        self.cfg.connect_timeout = d;
+        self
+    }
+
+    /// Deadline for the peer's handshake after the connection is up. Default 5 s.
+    pub fn handshake_timeout(mut self, d: Duration) -> Self {
+        self.cfg.handshake_timeout = d;
+        self
+    }
+
+    /// How long a peer may stall in the middle of a frame before the connection is closed
+    /// with [`ErrorKind::TimedOut`]. Idle time between frames is never limited. Default 15 s.
+    pub fn stall_timeout(mut self, d: Duration) -> Self {
+        self.cfg.stall_timeout = d;
+        self
+    }
+
+    /// TCP keepalive idle time, after which a silent peer is probed (every second, three
+    /// times) and declared lost. `None` disables. Default 10 s.
+    pub fn keepalive(mut self, idle: Option<Duration>) -> Self {
+        self.cfg.keepalive = idle;
+        self
+    }
+
+    /// How long I/O threads keep flushing closed channels after the last user of the
+    /// context is gone. Default 5 s.
+    pub fn linger(mut self, d: Duration) -> Self {
+        self.cfg.linger = d;
+        self
+    }
+
+    /// Checks the settings and makes the context.
+    pub fn build(mut self) -> Result<Context> {
+        self.cfg.engine = self.env_engine?;
+        let c = &self.cfg;
+        let bad = |what: String| Err(Error::new(ErrorKind::Config, what));
+        if c.io_threads == 0 || c.io_threads > 256 {
+            return bad(format!("io_threads is {}; use 1 to 256", c.io_threads));
+        }
+        if c.limits.max_body > Limits::MAX_BODY_CEILING {
+            return bad(format!(
+                "max_body is {}; at most {} (1 TiB)",
+                c.limits.max_body,
+                Limits::MAX_BODY_CEILING
+            ));
+        }
+        if c.send_queue == 0 || c.recv_queue == 0 || c.accept_backlog == 0 {
+            return bad("queue sizes and the accept backlog must be at least 1".into());
+        }
+        if c.send_queue > 1 << 20 || c.recv_queue > 1 << 20 {
+            return bad("queues hold at most 1 Mi messages".into());
+        }
+        if c.handshake_timeout.is_zero() || c.connect_timeout.is_zero() || c.stall_timeout.is_zero()
+        {
+            return bad("timeouts must be longer than zero".into());
+        }
+        Ok(Context {
+            inner: Arc::new(Transports::new(self.cfg)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builder_validates() {
+        assert_eq!(
+            Context::builder().io_threads(0).build().unwrap_err().kind(),
+            ErrorKind::Config
+        );
+        assert_eq!(
+            Context::builder()
+                .max_body(u64::MAX)
+                .build()
+                .unwrap_err()
+                .kind(),
+            ErrorKind::Config
+        );
+        let ctx = Context::builder().max_meta_entries(4).build().unwrap();
+        assert_eq!(ctx.limits().max_meta_entries, 4);
+        assert_eq!(ctx.io_engine(), None);
+    }
+}

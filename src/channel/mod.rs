@@ -1,0 +1,392 @@
+//! Channels: `Context` → `Listener` / `Channel` → `Sender` + `Receiver`.
+//!
+//! # Semantics (every transport)
+//! * **Ordering**: messages arrive in the order they were sent, per channel and direction.
+//! * **Delivery**: [`Sender::send`] returns when the message is handed to the transport (queued
+//!   for the I/O thread, or in the peer's inproc queue); [`Sender::flush`] when every message
+//!   sent so far has reached the kernel (tcp) or the peer's queue (inproc). Nothing is ever
+//!   partially sent: a message is on the wire whole or not at all.
+//! * **Backpressure**: every queue is bounded (in messages and bytes, see
+//!   [`ContextBuilder`]). `poll_ready` is `Pending` while the transport is full, so a slow
+//!   receiver slows its sender down, through TCP's own flow control on `tcp://`.
+//! * **Half close**: [`Sender::close`] (or dropping the `Sender`) finishes this direction; the
+//!   peer's `Receiver` yields the messages sent before it, then ends (`None`). The other
+//!   direction stays open.
+//! * **Failure**: when the peer dies or the connection breaks, both halves report an error at
+//!   their next poll ([`ErrorKind::ConnectionLost`](crate::ErrorKind::ConnectionLost)): the
+//!   `Receiver` after the messages that arrived before the failure, the `Sender` at once.
+//!   A peer that closes cleanly is not an error; one that vanishes mid-stream is.
+//! * **Dropping the `Receiver`** tells the peer (tcp: a `STOP` frame): the peer's `Sender`
+//!   fails with [`ErrorKind::Closed`](crate::ErrorKind::Closed) instead of sending into the
+//!   void. Messages already in flight are discarded, counted and logged.
+
+mod context;
+mod listener;
+
+pub use context::{Context, ContextBuilder};
+pub use listener::Listener;
+
+use std::any::Any;
+use std::fmt;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context as TaskContext, Poll};
+
+use futures_core::Stream;
+use futures_sink::Sink;
+use futures_util::future::poll_fn;
+use futures_util::task::noop_waker_ref;
+
+use crate::error::Result;
+use crate::transport::{Parts, RecvHalf, SendHalf};
+use crate::wire::Limits;
+use crate::{Error, ErrorKind, Message};
+
+pub use crate::transport::IoEngine;
+
+/// What a channel is connected to.
+pub struct ChannelInfo {
+    id: u64,
+    transport: &'static str,
+    local: String,
+    peer: String,
+    peer_limits: Limits,
+    _keepalive: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl ChannelInfo {
+    /// The transport: `"tcp"`, `"inproc"`.
+    pub fn transport(&self) -> &'static str {
+        self.transport
+    }
+
+    /// This end's address, as a URL.
+    pub fn local_url(&self) -> &str {
+        &self.local
+    }
+
+    /// The peer's address, as a URL.
+    pub fn peer_url(&self) -> &str {
+        &self.peer
+    }
+
+    /// What the peer accepts (from its handshake); `send` refuses what exceeds it.
+    pub fn peer_limits(&self) -> &Limits {
+        &self.peer_limits
+    }
+}
+
+impl fmt::Debug for ChannelInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChannelInfo")
+            .field("id", &self.id)
+            .field("transport", &self.transport)
+            .field("local", &self.local)
+            .field("peer", &self.peer)
+            .finish()
+    }
+}
+
+static NEXT_CHANNEL_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A full-duplex channel: a `Sink<Message>` and a `Stream<Item = Result<Message>>`.
+///
+/// [`split`](Channel::split) it to send and receive from different tasks; the halves share no
+/// lock. See the [module docs](self) for ordering, backpressure, close and failure.
+pub struct Channel {
+    tx: Sender,
+    rx: Receiver,
+}
+
+/// The sending half of a [`Channel`]. A `Sink<Message>`; dropping it closes the direction.
+pub struct Sender {
+    half: Box<dyn SendHalf>,
+    info: Arc<ChannelInfo>,
+}
+
+/// The receiving half of a [`Channel`]. A `Stream<Item = Result<Message>>` that ends after
+/// the peer closed, or after yielding the error that ended the connection.
+pub struct Receiver {
+    half: Box<dyn RecvHalf>,
+    info: Arc<ChannelInfo>,
+}
+
+/// Halves of two different channels given to [`Sender::reunite`]; both are handed back.
+pub struct ReuniteError(pub Sender, pub Receiver);
+
+impl fmt::Debug for ReuniteError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ReuniteError(..)")
+    }
+}
+
+impl fmt::Display for ReuniteError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("tried to reunite halves of different channels")
+    }
+}
+
+impl std::error::Error for ReuniteError {}
+
+impl From<ReuniteError> for Error {
+    fn from(_: ReuniteError) -> Error {
+        Error::new(
+            ErrorKind::Mismatch,
+            "tried to reunite halves of different channels",
+        )
+    }
+}
+
+impl Channel {
+    pub(crate) fn from_parts(parts: Parts) -> Channel {
+        let info = Arc::new(ChannelInfo {
+            id: NEXT_CHANNEL_ID.fetch_add(1, Ordering::Relaxed),
+            transport: parts.transport,
+            local: parts.local,
+            peer: parts.peer,
+            peer_limits: parts.peer_limits,
+            _keepalive: parts.keepalive,
+        });
+        Channel {
+            tx: Sender {
+                half: parts.tx,
+                info: info.clone(),
+            },
+            rx: Receiver {
+                half: parts.rx,
+                info,
+            },
+        }
+    }
+
+    /// Splits into a sending and a receiving half, each `Send + 'static`, free of cost (the
+    /// channel is already two halves).
+    pub fn split(self) -> (Sender, Receiver) {
+        (self.tx, self.rx)
+    }
+
+    /// Both halves, borrowed: to send and receive from one task (for example in `select!`).
+    pub fn halves_mut(&mut self) -> (&mut Sender, &mut Receiver) {
+        (&mut self.tx, &mut self.rx)
+    }
+
+    /// What the channel is connected to.
+    pub fn info(&self) -> &ChannelInfo {
+        &self.tx.info
+    }
+
+    /// See [`Sender::send`].
+    pub async fn send(&mut self, msg: Message) -> Result<()> {
+        self.tx.send(msg).await
+    }
+
+    /// See [`Sender::flush`].
+    pub async fn flush(&mut self) -> Result<()> {
+        self.tx.flush().await
+    }
+
+    /// See [`Sender::close`]. Half-closes: receiving goes on.
+    pub async fn close(&mut self) -> Result<()> {
+        self.tx.close().await
+    }
+
+    /// See [`Receiver::recv`].
+    pub async fn recv(&mut self) -> Option<Result<Message>> {
+        self.rx.recv().await
+    }
+}
+
+impl Sender {
+    fn poll_ready_inner(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
+        self.half.poll_ready(cx)
+    }
+
+    fn start_send_inner(&mut self, msg: Message) -> Result<()> {
+        if let Err(e) = self.info.peer_limits.check(&msg) {
+            return Err(Error::new(
+                ErrorKind::LimitExceeded,
+                format!(
+                    "message of type {} not sent to {}: {e}",
+                    msg.kind(),
+                    self.info.peer
+                ),
+            )
+            .with_message(msg));
+        }
+        self.half.start_send(msg)
+    }
+
+    /// Waits for room, then hands `msg` to the transport. It does not wait for the write to
+    /// the kernel: the transport writes on its own, batching what has accumulated; use
+    /// [`flush`](Self::flush) to wait for that. (`SinkExt::send`, by contrast, flushes after
+    /// each message, which costs a round trip to the I/O thread per message.)
+    ///
+    /// Errors: [`ErrorKind::LimitExceeded`] when the message exceeds the peer's limits (the
+    /// message is in [`Error::take_message`] and the channel stays usable);
+    /// [`ErrorKind::ConnectionLost`] / [`ErrorKind::Closed`] when the channel is gone.
+    ///
+    /// # Cancel safety
+    /// If the future is dropped before it completes, the message was not handed over and is
+    /// dropped with the future; nothing of it was sent. To wait for room in a `select!`
+    /// without giving up a message, use [`ready`](Self::ready) (cancel safe) and then
+    /// [`try_send`](Self::try_send).
+    pub async fn send(&mut self, msg: Message) -> Result<()> {
+        poll_fn(|cx| self.poll_ready_inner(cx)).await?;
+        self.start_send_inner(msg)
+    }
+
+    /// Waits until a message can be handed over without waiting.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn ready(&mut self) -> Result<()> {
+        poll_fn(|cx| self.poll_ready_inner(cx)).await
+    }
+
+    /// Hands `msg` over if there is room now; otherwise fails with [`ErrorKind::Full`] and the
+    /// message in [`Error::take_message`]. For producers that would rather drop (and count)
+    /// than wait.
+    pub fn try_send(&mut self, msg: Message) -> Result<()> {
+        let mut cx = TaskContext::from_waker(noop_waker_ref());
+        match self.poll_ready_inner(&mut cx) {
+            Poll::Ready(Ok(())) => self.start_send_inner(msg),
+            Poll::Ready(Err(e)) => Err(e.with_message(msg)),
+            Poll::Pending => Err(Error::new(
+                ErrorKind::Full,
+                format!("the send queue to {} is full", self.info.peer),
+            )
+            .with_message(msg)),
+        }
+    }
+
+    /// Waits until every message sent so far has reached the kernel's socket buffer (tcp) or
+    /// the peer's queue (inproc).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is lost by dropping it, and a later call waits for the same.
+    pub async fn flush(&mut self) -> Result<()> {
+        poll_fn(|cx| self.half.poll_flush(cx)).await
+    }
+
+    /// Flushes, then finishes this direction: the peer's `Receiver` ends after the messages
+    /// sent before. Receiving on the other half goes on. Dropping the `Sender` closes too,
+    /// without waiting.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the close has begun and completes in the background.
+    pub async fn close(&mut self) -> Result<()> {
+        poll_fn(|cx| self.half.poll_close(cx)).await
+    }
+
+    /// What the channel is connected to.
+    pub fn info(&self) -> &ChannelInfo {
+        &self.info
+    }
+
+    /// Puts the halves of one channel back together.
+    #[allow(clippy::result_large_err)]
+    pub fn reunite(self, rx: Receiver) -> std::result::Result<Channel, ReuniteError> {
+        if Arc::ptr_eq(&self.info, &rx.info) {
+            Ok(Channel { tx: self, rx })
+        } else {
+            Err(ReuniteError(self, rx))
+        }
+    }
+}
+
+impl Receiver {
+    /// The next message; `None` once the peer closed its sending direction (after every
+    /// message it sent before), or after the error that ended the connection was returned.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a message is taken from the queue only when the future completes.
+    pub async fn recv(&mut self) -> Option<Result<Message>> {
+        poll_fn(|cx| self.half.poll_recv(cx)).await
+    }
+
+    /// What the channel is connected to.
+    pub fn info(&self) -> &ChannelInfo {
+        &self.info
+    }
+
+    /// Puts the halves of one channel back together.
+    #[allow(clippy::result_large_err)]
+    pub fn reunite(self, tx: Sender) -> std::result::Result<Channel, ReuniteError> {
+        tx.reunite(self)
+    }
+}
+
+impl Sink<Message> for Sender {
+    type Error = Error;
+
+    fn poll_ready(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
+        self.get_mut().poll_ready_inner(cx)
+    }
+
+    fn start_send(self: Pin<&mut Self>, msg: Message) -> Result<()> {
+        self.get_mut().start_send_inner(msg)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
+        self.get_mut().half.poll_flush(cx)
+    }
+
+    fn poll_close(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
+        self.get_mut().half.poll_close(cx)
+    }
+}
+
+impl Stream for Receiver {
+    type Item = Result<Message>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Option<Result<Message>>> {
+        self.get_mut().half.poll_recv(cx)
+    }
+}
+
+impl Sink<Message> for Channel {
+    type Error = Error;
+
+    fn poll_ready(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
+        Pin::new(&mut self.get_mut().tx).poll_ready(cx)
+    }
+
+    fn start_send(self: Pin<&mut Self>, msg: Message) -> Result<()> {
+        Pin::new(&mut self.get_mut().tx).start_send(msg)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
+        Pin::new(&mut self.get_mut().tx).poll_flush(cx)
+    }
+
+    fn poll_close(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
+        Pin::new(&mut self.get_mut().tx).poll_close(cx)
+    }
+}
+
+impl Stream for Channel {
+    type Item = Result<Message>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Option<Result<Message>>> {
+        Pin::new(&mut self.get_mut().rx).poll_next(cx)
+    }
+}
+
+impl fmt::Debug for Channel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Channel").field(&*self.tx.info).finish()
+    }
+}
+
+impl fmt::Debug for Sender {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Sender").field(&*self.info).finish()
+    }
+}
+
+impl fmt::Debug for Receiver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Receiver").field(&*self.info).finish()
+    }
+}

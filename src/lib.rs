@@ -1,0 +1,58 @@
+//! hyperframes: typed, zero-copy, full-duplex messaging for datacenter networks.
+//!
+//! A [`Message`] has a dotted [`MsgType`] (`ml.splitter.output`), a small [`Meta`] map (the
+//! address on the envelope) and a [`Body`] (the parcel) that travels without user-space
+//! copies. A [`Channel`] is full duplex: a [`futures_sink::Sink`] of messages and a
+//! [`futures_core::Stream`] of results, which [`Channel::split`] turns into a [`Sender`] and a
+//! [`Receiver`] that live in different tasks. Transports are chosen by URL:
+//!
+//! | scheme | transport |
+//! |---|---|
+//! | `tcp://host:port` | TCP on io_uring I/O threads, epoll where io_uring is refused |
+//! | `inproc://name` | inside one process; bodies move as `Bytes` |
+//!
+//! ```no_run
+//! use hyperframes::{Context, Message};
+//!
+//! # async fn demo() -> hyperframes::Result<()> {
+//! let ctx = Context::new();
+//! let mut listener = ctx.bind("tcp://127.0.0.1:0").await?;
+//! let url = listener.local_url().to_owned();
+//! tokio::spawn(async move {
+//!     let mut ch = listener.accept().await?;
+//!     while let Some(msg) = ch.recv().await {
+//!         ch.send(msg?).await?; // echo
+//!     }
+//!     Ok::<(), hyperframes::Error>(())
+//! });
+//! let (mut tx, mut rx) = ctx.connect(&url).await?.split();
+//! tx.send(Message::new("demo.hello")?.with_body("hi")).await?;
+//! let echo = rx.recv().await.expect("echo")?;
+//! assert_eq!(echo.kind(), "demo.hello");
+//! # Ok(()) }
+//! ```
+//!
+//! # Organization
+//! * [`message`] — `Message`, `MsgType`, `Meta`, `Body`.
+//! * [`wire`] — the byte format of stream transports, sans-IO, specified in its docs.
+//! * the channel layer — [`Context`], [`Listener`], [`Channel`], [`Sender`], [`Receiver`].
+//! * the transports, private, each behind the same two traits.
+
+#[cfg(not(target_pointer_width = "64"))]
+compile_error!("hyperframes supports 64-bit targets only");
+
+mod channel;
+mod error;
+pub mod message;
+mod transport;
+mod url;
+pub mod wire;
+
+pub use channel::{
+    Channel, ChannelInfo, Context, ContextBuilder, IoEngine, Listener, Receiver, ReuniteError,
+    Sender,
+};
+pub use error::{Error, ErrorKind, Result};
+pub use message::{Body, Flags, Header, Message, Meta, MsgType};
+pub use url::Endpoint;
+pub use wire::Limits;

@@ -1,0 +1,202 @@
+//! Transports behind one seam.
+//!
+//! A transport produces, per connection, a [`SendHalf`] and a [`RecvHalf`] (and, per bound
+//! address, an [`AcceptHalf`]); the channel layer wraps them into `Sender`, `Receiver`,
+//! `Channel` and `Listener` and knows nothing else about them. Adding a transport means a
+//! module here and one arm in [`Transports::connect`] / [`Transports::bind`].
+
+use std::any::Any;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::url::Endpoint;
+use crate::wire::Limits;
+use crate::{Error, ErrorKind, Message};
+
+#[cfg(feature = "inproc")]
+mod inproc;
+pub(crate) mod pipe;
+#[cfg(feature = "tcp")]
+pub(crate) mod tcp;
+
+/// Which I/O engine `tcp://` runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum IoEngine {
+    /// io_uring where the kernel allows it, epoll otherwise (one log line says so).
+    #[default]
+    Auto,
+    /// io_uring (tokio-uring); connecting fails with `Unavailable` where it is refused.
+    Uring,
+    /// epoll (tokio's reactor).
+    Epoll,
+}
+
+impl IoEngine {
+    /// Reads `HYPERFRAMES_IO` (`auto`, `uring`, `epoll`); unset means `Auto`.
+    pub(crate) fn from_env() -> Result<IoEngine> {
+        match std::env::var("HYPERFRAMES_IO") {
+            Err(_) => Ok(IoEngine::Auto),
+            Ok(v) => match v.to_ascii_lowercase().as_str() {
+                "" | "auto" => Ok(IoEngine::Auto),
+                "uring" | "io_uring" | "io-uring" => Ok(IoEngine::Uring),
+                "epoll" => Ok(IoEngine::Epoll),
+                _ => Err(Error::new(
+                    ErrorKind::Config,
+                    format!("HYPERFRAMES_IO={v:?}: expected uring, epoll or auto"),
+                )),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for IoEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            IoEngine::Auto => "auto",
+            IoEngine::Uring => "io_uring",
+            IoEngine::Epoll => "epoll",
+        })
+    }
+}
+
+/// Everything a transport needs to know about its context's settings.
+#[derive(Clone, Debug)]
+pub(crate) struct Config {
+    pub(crate) limits: Limits,
+    pub(crate) io_threads: usize,
+    pub(crate) engine: IoEngine,
+    pub(crate) send_queue: usize,
+    pub(crate) send_queue_bytes: usize,
+    pub(crate) recv_queue: usize,
+    pub(crate) recv_queue_bytes: usize,
+    pub(crate) accept_backlog: usize,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) handshake_timeout: Duration,
+    pub(crate) stall_timeout: Duration,
+    pub(crate) keepalive: Option<Duration>,
+    pub(crate) linger: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            limits: Limits::default(),
+            io_threads: 1,
+            engine: IoEngine::Auto,
+            send_queue: 1024,
+            send_queue_bytes: 16 << 20,
+            recv_queue: 1024,
+            recv_queue_bytes: 16 << 20,
+            accept_backlog: 128,
+            connect_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(5),
+            stall_timeout: Duration::from_secs(15),
+            keepalive: Some(Duration::from_secs(10)),
+            linger: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The sending direction of one connection, as a transport implements it. Contract as
+/// `futures_sink::Sink`: `start_send` only after `poll_ready` returned `Ready(Ok)`.
+pub(crate) trait SendHalf: Send + Sync + 'static {
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>>;
+    fn start_send(&mut self, msg: Message) -> Result<()>;
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>>;
+    fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>>;
+}
+
+/// The receiving direction of one connection. After `Ready(None)` or an error it keeps
+/// returning `Ready(None)`.
+pub(crate) trait RecvHalf: Send + Sync + 'static {
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message>>>;
+}
+
+/// A bound address handing out connections.
+pub(crate) trait AcceptHalf: Send + Sync + 'static {
+    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Parts>>;
+    /// Connections refused before they became channels (failed handshakes).
+    fn rejected(&self) -> u64;
+}
+
+/// A connection as a transport hands it over.
+pub(crate) struct Parts {
+    pub(crate) tx: Box<dyn SendHalf>,
+    pub(crate) rx: Box<dyn RecvHalf>,
+    pub(crate) transport: &'static str,
+    pub(crate) local: String,
+    pub(crate) peer: String,
+    pub(crate) peer_limits: Limits,
+    /// Keeps shared machinery (I/O threads) alive as long as the channel.
+    pub(crate) keepalive: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+/// The transports of one context, with their per-context state.
+pub(crate) struct Transports {
+    cfg: Config,
+    #[cfg(feature = "inproc")]
+    inproc: Arc<inproc::Registry>,
+    #[cfg(feature = "tcp")]
+    tcp: tcp::Tcp,
+}
+
+impl Transports {
+    pub(crate) fn new(cfg: Config) -> Transports {
+        Transports {
+            #[cfg(feature = "inproc")]
+            inproc: Arc::new(inproc::Registry::new(cfg.clone())),
+            #[cfg(feature = "tcp")]
+            tcp: tcp::Tcp::new(cfg.clone()),
+            cfg,
+        }
+    }
+
+    pub(crate) fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The engine `tcp://` runs on, once it has started.
+    pub(crate) fn tcp_engine(&self) -> Option<IoEngine> {
+        #[cfg(feature = "tcp")]
+        return self.tcp.engine();
+        #[cfg(not(feature = "tcp"))]
+        None
+    }
+
+    pub(crate) async fn connect(&self, ep: &Endpoint) -> Result<Parts> {
+        match ep {
+            #[cfg(feature = "tcp")]
+            Endpoint::Tcp { host, port } => self.tcp.connect(host, *port).await,
+            #[cfg(feature = "inproc")]
+            Endpoint::Inproc { name } => inproc::connect(&self.inproc, name).await,
+            #[allow(unreachable_patterns)]
+            _ => Err(not_compiled(ep)),
+        }
+    }
+
+    pub(crate) async fn bind(&self, ep: &Endpoint) -> Result<(Box<dyn AcceptHalf>, String)> {
+        match ep {
+            #[cfg(feature = "tcp")]
+            Endpoint::Tcp { host, port } => self.tcp.bind(host, *port).await,
+            #[cfg(feature = "inproc")]
+            Endpoint::Inproc { name } => inproc::bind(&self.inproc, name),
+            #[allow(unreachable_patterns)]
+            _ => Err(not_compiled(ep)),
+        }
+    }
+}
+
+#[allow(dead_code)]
+fn not_compiled(ep: &Endpoint) -> Error {
+    Error::new(
+        ErrorKind::UnsupportedScheme,
+        format!(
+            "{ep}: the {}:// transport is not compiled in (enable the `{}` feature)",
+            ep.scheme(),
+            ep.scheme()
+        ),
+    )
+}

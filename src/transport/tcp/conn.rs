@@ -1,0 +1,576 @@
+//! One TCP connection: the state its user halves share with its driver on the I/O thread,
+//! the halves themselves, and the driver (handshake, read loop, write loop).
+//!
+//! ```text
+//!  user task(s)                          I/O thread (one task per connection)
+//!  TcpSender ──push──▶ Conn::out ──pop──▶ write loop ──writev──▶ socket
+//!  TcpReceiver ◀─pop── Conn::inp ◀─push── read loop  ◀──read─── socket
+//! ```
+//!
+//! Both pipes are bounded; the write loop drains everything queued into one vectored write
+//! (small frames coalesced, large bodies as their own iovecs); the read loop decodes frames
+//! zero-copy and pauses reading while `inp` is full, which backpressures the peer through
+//! TCP's window.
+
+use std::io;
+use std::net::Shutdown;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use futures_util::future::poll_fn;
+
+use super::sys::Stream;
+use crate::error::Result;
+use crate::transport::pipe::Pipe;
+use crate::transport::{Config, RecvHalf, SendHalf};
+use crate::wire::{Batch, Control, Decoder, Frame, HANDSHAKE_LEN, Handshake, Limits};
+use crate::{Error, ErrorKind, Message};
+
+/// Bytes read into the shared receive buffer at a time (many small frames per read).
+const READ_CHUNK: usize = 256 << 10;
+/// A write batch is cut at this many iovecs (Linux IOV_MAX is 1024)...
+const BATCH_MAX_IOVECS: usize = 512;
+/// ...or this many bytes.
+const BATCH_MAX_BYTES: usize = 4 << 20;
+
+/// What a connection's user halves and its driver share.
+pub(crate) struct Conn {
+    /// Sender → write loop.
+    pub(crate) out: Pipe,
+    /// Read loop → Receiver.
+    pub(crate) inp: Pipe,
+    /// The failure that ended the connection; reported by both halves.
+    error: OnceLock<Error>,
+    /// A reason to send the peer in an `ERROR` frame before closing.
+    notify_peer: Mutex<Option<String>>,
+    /// Messages the write loop has handed to the kernel.
+    written: AtomicU64,
+    /// The `CLOSE` frame is written and the write side shut down.
+    close_done: AtomicBool,
+    /// The peer sent `STOP`: it no longer reads.
+    peer_stopped: AtomicBool,
+    /// Our Receiver is gone: the write loop owes the peer a `STOP`.
+    stop_owed: AtomicBool,
+    /// The write loop has finished.
+    writer_done: AtomicBool,
+    /// Messages received after our Receiver was dropped.
+    discarded: AtomicU64,
+}
+
+impl Conn {
+    pub(crate) fn new(cfg: &Config) -> Conn {
+        Conn {
+            out: Pipe::new(cfg.send_queue, cfg.send_queue_bytes),
+            inp: Pipe::new(cfg.recv_queue, cfg.recv_queue_bytes),
+            error: OnceLock::new(),
+            notify_peer: Mutex::new(None),
+            written: AtomicU64::new(0),
+            close_done: AtomicBool::new(false),
+            peer_stopped: AtomicBool::new(false),
+            stop_owed: AtomicBool::new(false),
+            writer_done: AtomicBool::new(false),
+            discarded: AtomicU64::new(0),
+        }
+    }
+
+    fn error(&self) -> Option<Error> {
+        self.error.get().map(Error::duplicate)
+    }
+
+    fn failed(&self) -> bool {
+        self.error.get().is_some()
+    }
+
+    /// Ends the connection with `err` (the first failure wins) and wakes everyone.
+    pub(crate) fn fail(&self, err: Error, tell_peer: bool) {
+        let reason = tell_peer.then(|| err.to_string());
+        if self.error.set(err).is_ok() {
+            if let Some(r) = reason {
+                *self.notify_peer.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+            }
+        }
+        self.inp.close_tx();
+        self.wake_all();
+    }
+
+    fn wake_all(&self) {
+        self.out.wake_tx();
+        self.out.wake_rx();
+        self.inp.wake_tx();
+        self.inp.wake_rx();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// User halves
+// ---------------------------------------------------------------------------------------
+
+pub(crate) struct TcpSender {
+    conn: Arc<Conn>,
+    /// Messages pushed so far (compared with `Conn::written` by flush).
+    pushed: u64,
+    closing: bool,
+}
+
+impl TcpSender {
+    pub(crate) fn new(conn: Arc<Conn>) -> TcpSender {
+        TcpSender {
+            conn,
+            pushed: 0,
+            closing: false,
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        if let Some(e) = self.conn.error() {
+            return Err(e);
+        }
+        if self.closing {
+            return Err(Error::new(ErrorKind::Closed, "sender closed"));
+        }
+        if self.conn.peer_stopped.load(Ordering::Acquire) {
+            return Err(Error::new(
+                ErrorKind::Closed,
+                "the peer dropped its receiving half; nothing sent now would be read",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl SendHalf for TcpSender {
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        self.check()?;
+        match self.conn.out.poll_room(cx) {
+            // Woken by a failure or STOP as well as by room: look again.
+            Poll::Ready(()) => Poll::Ready(self.check()),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn start_send(&mut self, msg: Message) -> Result<()> {
+        self.check().map_err(|e| e.with_message(msg.clone()))?;
+        self.conn.out.push(msg).map_err(|m| {
+            Error::new(
+                ErrorKind::Full,
+                "start_send without poll_ready on a full channel",
+            )
+            .with_message(m)
+        })?;
+        self.pushed += 1;
+        Ok(())
+    }
+
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let done = |c: &Conn| c.written.load(Ordering::Acquire) >= self.pushed;
+        if done(&self.conn) {
+            return Poll::Ready(Ok(()));
+        }
+        if let Some(e) = self.conn.error() {
+            return Poll::Ready(Err(e));
+        }
+        self.conn.out.register_tx(cx);
+        if done(&self.conn) {
+            return Poll::Ready(Ok(()));
+        }
+        match self.conn.error() {
+            Some(e) => Poll::Ready(Err(e)),
+            None => Poll::Pending,
+        }
+    }
+
+    fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        if !self.closing {
+            self.closing = true;
+            self.conn.out.close_tx();
+        }
+        if self.conn.close_done.load(Ordering::Acquire) {
+            return Poll::Ready(Ok(()));
+        }
+        self.conn.out.register_tx(cx);
+        if self.conn.close_done.load(Ordering::Acquire) {
+            return Poll::Ready(Ok(()));
+        }
+        match self.conn.error() {
+            Some(e) => Poll::Ready(Err(e)),
+            None => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for TcpSender {
+    fn drop(&mut self) {
+        // Drop is a close: the write loop sends what is queued, then CLOSE.
+        self.conn.out.close_tx();
+    }
+}
+
+pub(crate) struct TcpReceiver {
+    conn: Arc<Conn>,
+    done: bool,
+}
+
+impl TcpReceiver {
+    pub(crate) fn new(conn: Arc<Conn>) -> TcpReceiver {
+        TcpReceiver { conn, done: false }
+    }
+}
+
+impl RecvHalf for TcpReceiver {
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        match self.conn.inp.poll_pop(cx) {
+            Poll::Ready(Some(m)) => Poll::Ready(Some(Ok(m))),
+            Poll::Ready(None) => {
+                self.done = true;
+                Poll::Ready(self.conn.error().map(Err))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl Drop for TcpReceiver {
+    fn drop(&mut self) {
+        self.conn.inp.close_rx();
+        if !self.done {
+            // Tell the peer to stop sending (unless the stream already ended).
+            self.conn.stop_owed.store(true, Ordering::Release);
+            self.conn.out.wake_rx();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Driver (on the I/O thread)
+// ---------------------------------------------------------------------------------------
+
+/// Sends our handshake and reads the peer's. Returns the peer's limits and any bytes that
+/// arrived after its handshake (frames may follow it immediately).
+pub(crate) async fn handshake(stream: &Stream, cfg: &Config) -> Result<(Limits, BytesMut)> {
+    let fut = async {
+        let mut ours = BytesMut::with_capacity(HANDSHAKE_LEN);
+        Handshake::new(cfg.limits).encode(&mut ours);
+        stream
+            .write_all(vec![ours.freeze()])
+            .await
+            .map_err(|e| Error::io("sending the handshake", e))?;
+        let mut buf = BytesMut::with_capacity(READ_CHUNK);
+        loop {
+            match Handshake::decode(&buf) {
+                Ok(Some((hs, n))) => {
+                    bytes::Buf::advance(&mut buf, n);
+                    return Ok((hs.limits, buf));
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    return Err(Error::new(ErrorKind::Protocol, format!("handshake: {e}")));
+                }
+            }
+            if buf.capacity() - buf.len() < 1024 {
+                buf.reserve(READ_CHUNK);
+            }
+            let spare = buf.capacity() - buf.len();
+            let (res, b) = stream.read(buf, spare).await;
+            buf = b;
+            match res {
+                Ok(0) => {
+                    return Err(Error::new(
+                        ErrorKind::ConnectionLost,
+                        "peer closed the connection during the handshake",
+                    ));
+                }
+                Ok(_) => {}
+                Err(e) => return Err(Error::io("reading the handshake", e)),
+            }
+        }
+    };
+    match tokio::time::timeout(cfg.handshake_timeout, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::new(
+            ErrorKind::TimedOut,
+            format!(
+                "no handshake from the peer within {:?}",
+                cfg.handshake_timeout
+            ),
+        )),
+    }
+}
+
+/// Runs a connection until both directions are finished or it fails.
+pub(crate) async fn drive(
+    conn: Arc<Conn>,
+    stream: Rc<Stream>,
+    src: BytesMut,
+    cfg: Config,
+    peer: String,
+) {
+    let reader = async {
+        match read_loop(&conn, &stream, src, &cfg).await {
+            Ok(()) => conn.inp.close_tx(),
+            Err((e, tell_peer)) => {
+                if e.kind() != ErrorKind::ConnectionLost {
+                    tracing::warn!(peer = %peer, "closing connection: {e}");
+                } else {
+                    tracing::debug!(peer = %peer, "connection lost: {e}");
+                }
+                conn.fail(e, tell_peer);
+            }
+        }
+    };
+    let writer = async {
+        if let Err(e) = write_loop(&conn, &stream).await {
+            tracing::debug!(peer = %peer, "write side failed: {e}");
+            conn.fail(e, false);
+        }
+        conn.writer_done.store(true, Ordering::Release);
+        conn.inp.wake_tx();
+    };
+    futures_util::future::join(reader, writer).await;
+    let discarded = conn.discarded.load(Ordering::Relaxed);
+    if discarded > 0 {
+        tracing::info!(peer = %peer, discarded, "connection ended; messages received after the receiver was dropped were discarded");
+    }
+    let _ = stream.shutdown(Shutdown::Both);
+}
+
+/// Ready when the read loop must stop: the connection failed, or both user halves are gone
+/// and the write loop has finished.
+fn poll_stop(conn: &Conn, cx: &mut Context<'_>) -> Poll<()> {
+    let stop =
+        |c: &Conn| c.failed() || (c.inp.is_rx_closed() && c.writer_done.load(Ordering::Acquire));
+    if stop(conn) {
+        return Poll::Ready(());
+    }
+    conn.inp.register_tx(cx);
+    if stop(conn) {
+        Poll::Ready(())
+    } else {
+        Poll::Pending
+    }
+}
+
+/// The error type of the loops: the error, and whether to tell the peer about it.
+type LoopError = (Error, bool);
+
+fn protocol(e: impl std::fmt::Display) -> LoopError {
+    (Error::new(ErrorKind::Protocol, e.to_string()), true)
+}
+
+async fn read_loop(
+    conn: &Conn,
+    stream: &Stream,
+    mut src: BytesMut,
+    cfg: &Config,
+) -> Result<(), LoopError> {
+    let mut dec = Decoder::new(cfg.limits);
+    let stopped = || (Error::new(ErrorKind::Closed, "connection closed"), false);
+    loop {
+        // Hand out every complete frame.
+        loop {
+            match dec.decode(&mut src) {
+                Ok(Some(Frame::Message(m))) => deliver(conn, m).await.map_err(|()| stopped())?,
+                Ok(Some(Frame::Control(Control::Close))) => return Ok(()),
+                Ok(Some(Frame::Control(Control::Stop))) => {
+                    conn.peer_stopped.store(true, Ordering::Release);
+                    conn.out.wake_tx();
+                }
+                Ok(Some(Frame::Control(Control::Error(reason)))) => {
+                    return Err((
+                        Error::new(
+                            ErrorKind::Protocol,
+                            format!("the peer closed the connection: {reason}"),
+                        ),
+                        false,
+                    ));
+                }
+                Ok(None) => break,
+                Err(e) => return Err(protocol(e)),
+            }
+        }
+        let mid_frame = !dec.is_at_boundary(&src);
+        let read = async {
+            if let Some((body, missing)) = dec.body_target() {
+                // A large body: read straight into its own buffer.
+                let b = std::mem::take(body);
+                let (res, b) = stream.read(b, missing).await;
+                if let Some((body, _)) = dec.body_target() {
+                    *body = b;
+                }
+                res
+            } else {
+                let want = dec.wanted(&src).max(4096);
+                if src.capacity() - src.len() < want {
+                    src.reserve(want.max(READ_CHUNK));
+                }
+                let spare = src.capacity() - src.len();
+                let (res, s) = stream.read(std::mem::take(&mut src), spare).await;
+                src = s;
+                res
+            }
+        };
+        let timed = async {
+            if mid_frame {
+                tokio::time::timeout(cfg.stall_timeout, read).await.ok()
+            } else {
+                Some(read.await)
+            }
+        };
+        let res = tokio::select! {
+            biased;
+            () = poll_fn(|cx| poll_stop(conn, cx)) => return Err(stopped()),
+            r = timed => r,
+        };
+        match res {
+            None => {
+                return Err((
+                    Error::new(
+                        ErrorKind::TimedOut,
+                        format!(
+                            "peer stalled in the middle of a frame for {:?}",
+                            cfg.stall_timeout
+                        ),
+                    ),
+                    true,
+                ));
+            }
+            Some(Ok(0)) if mid_frame => {
+                return Err((
+                    Error::new(
+                        ErrorKind::ConnectionLost,
+                        "peer closed the connection in the middle of a frame (truncated frame)",
+                    ),
+                    false,
+                ));
+            }
+            Some(Ok(0)) => {
+                return Err((
+                    Error::new(
+                        ErrorKind::ConnectionLost,
+                        "peer closed the connection without closing the channel (did it exit or crash?)",
+                    ),
+                    false,
+                ));
+            }
+            Some(Ok(_)) => {}
+            Some(Err(e)) => return Err((Error::io("reading from the peer", e), false)),
+        }
+    }
+}
+
+/// Queues a received message for the Receiver, waiting for room (this pauses reading, which
+/// backpressures the peer). `Err` when the connection must stop.
+async fn deliver(conn: &Conn, msg: Message) -> Result<(), ()> {
+    poll_fn(|cx| {
+        if conn.failed() {
+            return Poll::Ready(Err(()));
+        }
+        conn.inp.poll_room(cx).map(Ok)
+    })
+    .await?;
+    if conn.inp.is_rx_closed() {
+        let n = conn.discarded.fetch_add(1, Ordering::Relaxed);
+        if n == 0 {
+            tracing::warn!(kind = %msg.kind(), "receiver dropped: discarding incoming messages (the peer was sent STOP)");
+        }
+        return Ok(());
+    }
+    conn.inp.push(msg).map_err(|_| ())
+}
+
+enum Work {
+    Ready,
+    Closed,
+    Failed,
+}
+
+/// Waits until there is something for the write loop.
+fn poll_work(conn: &Conn, cx: &mut Context<'_>) -> Poll<Work> {
+    let check = |c: &Conn| {
+        if c.failed() {
+            Some(Work::Failed)
+        } else if !c.out.is_empty() || c.stop_owed.load(Ordering::Acquire) {
+            Some(Work::Ready)
+        } else if c.out.is_drained_and_closed() {
+            Some(Work::Closed)
+        } else {
+            None
+        }
+    };
+    if let Some(w) = check(conn) {
+        return Poll::Ready(w);
+    }
+    conn.out.register_rx(cx);
+    match check(conn) {
+        Some(w) => Poll::Ready(w),
+        None => Poll::Pending,
+    }
+}
+
+async fn write_loop(conn: &Conn, stream: &Stream) -> Result<()> {
+    let mut batch = Batch::default();
+    let mut written: u64 = 0;
+    loop {
+        match poll_fn(|cx| poll_work(conn, cx)).await {
+            Work::Failed => {
+                let reason = conn
+                    .notify_peer
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .take();
+                if let Some(reason) = reason {
+                    // Best effort, bounded: the peer may not be reading.
+                    batch.take();
+                    batch.push_control(&Control::Error(reason));
+                    let _ = tokio::time::timeout(
+                        Duration::from_secs(1),
+                        stream.write_all(batch.take()),
+                    )
+                    .await;
+                }
+                return Ok(());
+            }
+            Work::Closed => {
+                batch.push_control(&Control::Close);
+                stream
+                    .write_all(batch.take())
+                    .await
+                    .map_err(|e| Error::io("sending the close frame", e))?;
+                let _ = stream.shutdown(Shutdown::Write);
+                conn.close_done.store(true, Ordering::Release);
+                conn.out.wake_tx();
+                return Ok(());
+            }
+            Work::Ready => {}
+        }
+        // Drain what is queued into one batch.
+        if conn.stop_owed.swap(false, Ordering::AcqRel) {
+            batch.push_control(&Control::Stop);
+        }
+        while batch.chunk_count() < BATCH_MAX_IOVECS && batch.bytes() < BATCH_MAX_BYTES {
+            match conn.out.try_pop_quiet() {
+                Some(m) => batch.push_message(m),
+                None => break,
+            }
+        }
+        conn.out.wake_tx(); // room was freed
+        let n = batch.messages() as u64;
+        stream.write_all(batch.take()).await.map_err(|e| {
+            if e.kind() == io::ErrorKind::BrokenPipe || e.kind() == io::ErrorKind::ConnectionReset {
+                Error::new(ErrorKind::ConnectionLost, "the peer closed the connection")
+                    .with_source(e)
+            } else {
+                Error::io("writing to the peer", e)
+            }
+        })?;
+        written += n;
+        conn.written.store(written, Ordering::Release);
+        conn.out.wake_tx(); // flush progress
+    }
+}

@@ -1,0 +1,200 @@
+//! Endpoint URLs: `tcp://host:port`, `inproc://name`.
+
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::str::FromStr;
+
+use crate::error::{Error, ErrorKind};
+
+/// A parsed endpoint URL.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Endpoint {
+    /// `tcp://host:port`: an IPv4 address, a bracketed IPv6 address (`[::1]`) or a host name,
+    /// and a port (0 when binding picks one).
+    Tcp {
+        /// Address or name.
+        host: String,
+        /// Port.
+        port: u16,
+    },
+    /// `inproc://name`: a channel inside this process, scoped to its [`Context`](crate::Context).
+    Inproc {
+        /// The name.
+        name: String,
+    },
+}
+
+const SCHEMES: &str = "tcp://, inproc://";
+
+fn invalid(url: &str, why: impl fmt::Display) -> Error {
+    Error::new(ErrorKind::InvalidUrl, format!("{url:?}: {why}"))
+}
+
+impl Endpoint {
+    /// Parses a URL.
+    pub fn parse(url: &str) -> Result<Endpoint, Error> {
+        let Some((scheme, rest)) = url.split_once("://") else {
+            return Err(invalid(
+                url,
+                format_args!("expected scheme://address, one of {SCHEMES}"),
+            ));
+        };
+        match scheme.to_ascii_lowercase().as_str() {
+            "tcp" => parse_tcp(url, rest),
+            "inproc" => {
+                if rest.is_empty() || rest.len() > 256 || rest.chars().any(char::is_whitespace) {
+                    return Err(invalid(
+                        url,
+                        "an inproc name is 1 to 256 characters without spaces",
+                    ));
+                }
+                Ok(Endpoint::Inproc {
+                    name: rest.to_owned(),
+                })
+            }
+            "shm" | "rdma" => Err(Error::new(
+                ErrorKind::UnsupportedScheme,
+                format!(
+                    "{url:?}: the {scheme}:// transport is not available in this build (supported: {SCHEMES})"
+                ),
+            )),
+            _ => Err(Error::new(
+                ErrorKind::UnsupportedScheme,
+                format!("{url:?}: unknown scheme {scheme:?} (supported: {SCHEMES})"),
+            )),
+        }
+    }
+
+    /// The scheme, without `://`.
+    pub fn scheme(&self) -> &'static str {
+        match self {
+            Endpoint::Tcp { .. } => "tcp",
+            Endpoint::Inproc { .. } => "inproc",
+        }
+    }
+
+    /// For `tcp://` with an IP address: the socket address, without a name lookup.
+    pub fn socket_addr(&self) -> Option<SocketAddr> {
+        match self {
+            Endpoint::Tcp { host, port } => host
+                .parse::<IpAddr>()
+                .ok()
+                .map(|ip| SocketAddr::new(ip, *port)),
+            Endpoint::Inproc { .. } => None,
+        }
+    }
+
+    pub(crate) fn from_socket_addr(addr: SocketAddr) -> Endpoint {
+        Endpoint::Tcp {
+            host: addr.ip().to_string(),
+            port: addr.port(),
+        }
+    }
+}
+
+fn parse_tcp(url: &str, rest: &str) -> Result<Endpoint, Error> {
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
+        let Some((host, after)) = v6.split_once(']') else {
+            return Err(invalid(url, "missing ']' after the IPv6 address"));
+        };
+        if host.parse::<std::net::Ipv6Addr>().is_err() {
+            return Err(invalid(
+                url,
+                format_args!("{host:?} is not an IPv6 address"),
+            ));
+        }
+        let Some(port) = after.strip_prefix(':') else {
+            return Err(invalid(url, "expected :port after the address"));
+        };
+        (host, port)
+    } else {
+        let Some((host, port)) = rest.rsplit_once(':') else {
+            return Err(invalid(url, "expected host:port"));
+        };
+        if host.contains(':') {
+            return Err(invalid(
+                url,
+                "an IPv6 address goes in brackets, as in tcp://[::1]:5555",
+            ));
+        }
+        (host, port)
+    };
+    if host.is_empty() {
+        return Err(invalid(
+            url,
+            "empty host (use 0.0.0.0 or [::] to listen everywhere)",
+        ));
+    }
+    if host.contains('/') || host.chars().any(char::is_whitespace) {
+        return Err(invalid(url, format_args!("{host:?} is not a host")));
+    }
+    let port: u16 = port
+        .parse()
+        .map_err(|_| invalid(url, format_args!("{port:?} is not a port number (0-65535)")))?;
+    Ok(Endpoint::Tcp {
+        host: host.to_owned(),
+        port,
+    })
+}
+
+impl FromStr for Endpoint {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Endpoint, Error> {
+        Endpoint::parse(s)
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Endpoint::Tcp { host, port } if host.contains(':') => {
+                write!(f, "tcp://[{host}]:{port}")
+            }
+            Endpoint::Tcp { host, port } => write!(f, "tcp://{host}:{port}"),
+            Endpoint::Inproc { name } => write!(f, "inproc://{name}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_prints() {
+        for (url, canon) in [
+            ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5555"),
+            ("TCP://[::1]:0", "tcp://[::1]:0"),
+            ("tcp://example.org:80/", "tcp://example.org:80"),
+            ("inproc://pipeline/stage-1", "inproc://pipeline/stage-1"),
+        ] {
+            assert_eq!(Endpoint::parse(url).unwrap().to_string(), canon);
+        }
+        assert_eq!(
+            Endpoint::parse("tcp://[::1]:7").unwrap().socket_addr(),
+            Some("[::1]:7".parse().unwrap())
+        );
+        assert_eq!(Endpoint::parse("tcp://h:7").unwrap().socket_addr(), None);
+    }
+
+    #[test]
+    fn rejects_with_reasons() {
+        for (url, kind, needle) in [
+            ("127.0.0.1:5", ErrorKind::InvalidUrl, "scheme://"),
+            ("tcp://127.0.0.1", ErrorKind::InvalidUrl, "host:port"),
+            ("tcp://::1:5", ErrorKind::InvalidUrl, "brackets"),
+            ("tcp://[::1:5", ErrorKind::InvalidUrl, "']'"),
+            ("tcp://h:70000", ErrorKind::InvalidUrl, "port"),
+            ("tcp://:5", ErrorKind::InvalidUrl, "empty host"),
+            ("inproc://", ErrorKind::InvalidUrl, "inproc name"),
+            ("udp://x:1", ErrorKind::UnsupportedScheme, "unknown scheme"),
+            ("rdma://x:1", ErrorKind::UnsupportedScheme, "not available"),
+        ] {
+            let e = Endpoint::parse(url).unwrap_err();
+            assert_eq!(e.kind(), kind, "{url}");
+            assert!(e.to_string().contains(needle), "{url}: {e}");
+        }
+    }
+}

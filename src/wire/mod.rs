@@ -1,0 +1,197 @@
+//! The wire format of byte-stream transports (`tcp://`), sans-IO.
+//!
+//! This module is pure encoding and decoding over byte buffers: no sockets, no runtime, no
+//! `unsafe`. The transports drive it; the tests and fuzzers drive it alone. Everything below
+//! is little endian. This page is the specification: a peer in another language can be
+//! written from it.
+//!
+//! # Connection
+//!
+//! Each side sends a [handshake](#handshake) as soon as the connection is up, without waiting
+//! for the other's, then reads the peer's. When both are valid, each side sends
+//! [frames](#frames) until it sends `CLOSE`. A side that detects a violation may send an
+//! `ERROR` frame naming it, and closes the connection.
+//!
+//! # Handshake
+//!
+//! ```text
+//! offset size field
+//!      0    8 magic             "HYPERFRM" (48 59 50 45 52 46 52 4D)
+//!      8    2 version           1
+//!     10    2 length            total handshake length in bytes, >= 32 (32 in version 1);
+//!                               a reader skips the bytes past the fields it knows (<= 1024)
+//!     12    4 capabilities      bit set; none defined in version 1, unknown bits ignored,
+//!                               the pair uses the intersection
+//!     16    8 max_body          largest body this side accepts, in bytes
+//!     24    4 max_meta_bytes    largest encoded metadata section this side accepts
+//!     28    2 max_meta_entries  most metadata entries this side accepts
+//!     30    2 reserved          0
+//! ```
+//!
+//! The limits are *receive* limits: a sender must not send what the peer says it will not
+//! take (hyperframes refuses such a message at `send`, handing it back). A different
+//! `version` ends the connection with a clear error on both sides; so does a wrong magic,
+//! detected from the first byte that differs.
+//!
+//! # Frames
+//!
+//! ```text
+//! offset size field
+//!      0    1 kind              1 MESSAGE, 2 CLOSE, 3 STOP, 4 ERROR
+//!      1    1 flags             MESSAGE only: bit 0 REQUEST, bit 1 RESPONSE; others reserved (0)
+//!      2    1 type_len          MESSAGE: 1..=255; control frames: 0
+//!      3    1 reserved          0
+//!      4    4 meta_len          <= peer's max_meta_bytes; control frames: 0
+//!      8    8 body_len          <= peer's max_body; CLOSE/STOP: 0; ERROR: <= 1024
+//!     16    8 correlation       MESSAGE: pairs a response with its request (0 = none);
+//!                               control frames: 0
+//!     24      type              type_len bytes: the dotted name, see MsgType
+//!             meta              meta_len bytes, see below
+//!             body              body_len bytes
+//! ```
+//!
+//! * `MESSAGE` carries one [`Message`](crate::Message).
+//! * `CLOSE`: the sender will send nothing more (half close). The receiver's stream ends after
+//!   the frames before it. A connection that ends *without* `CLOSE` is reported as lost: this
+//!   is how a crashed peer is told apart from a finished one.
+//! * `STOP`: the sender's receiving half is gone; what it receives from now on is discarded
+//!   (and counted). The other side's sending half fails with `Closed`.
+//! * `ERROR`: the body is a UTF-8 reason (at most 1024 bytes); the sender closes next.
+//!
+//! The type is 1 to 255 bytes of `A-Z a-z 0-9 _ - .` forming non-empty dot-separated segments.
+//!
+//! The metadata section is empty (`meta_len` 0) or:
+//!
+//! ```text
+//! count:u16                    1..=peer's max_meta_entries
+//! count times:
+//!   key_len:u8  key            1..=64 bytes of A-Z a-z 0-9 _ - .; keys are unique
+//!   value_len:u16  value       UTF-8
+//! ```
+//!
+//! # Limits before allocation
+//!
+//! A decoder checks every length in the 24-byte header against its own limits before it
+//! reserves a byte for the frame, so a peer can make it allocate at most `max_body` (one body
+//! being received) plus the transport's read buffer.
+
+#![forbid(unsafe_code)]
+
+mod batch;
+mod frame;
+mod handshake;
+
+pub use batch::{Batch, advance};
+pub use frame::{
+    Control, Decoder, FRAME_HEAD_LEN, Frame, FrameError, FrameHead, FrameKind, MAX_ERROR_REASON,
+};
+pub use handshake::{Capabilities, HANDSHAKE_LEN, Handshake, HandshakeError, MAGIC, VERSION};
+
+use crate::message::{Message, MsgType};
+
+/// What a receiver accepts. Sent in the handshake; the sender respects the peer's.
+///
+/// Defaults: 64 MiB bodies, 4 KiB of encoded metadata, 32 metadata entries. Set them on the
+/// [`ContextBuilder`](crate::ContextBuilder).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Limits {
+    /// Largest body, in bytes.
+    pub max_body: u64,
+    /// Largest encoded metadata section, in bytes (see [`Meta::encoded_len`](crate::Meta::encoded_len)).
+    pub max_meta_bytes: u32,
+    /// Most metadata entries.
+    pub max_meta_entries: u16,
+}
+
+impl Limits {
+    /// The largest `max_body` a context may configure: 1 TiB.
+    pub const MAX_BODY_CEILING: u64 = 1 << 40;
+
+    /// Checks `msg` against these limits.
+    pub fn check(&self, msg: &Message) -> Result<(), LimitError> {
+        let body = msg.body().len() as u64;
+        if body > self.max_body {
+            return Err(LimitError::Body {
+                len: body,
+                max: self.max_body,
+            });
+        }
+        let meta = msg.meta();
+        if meta.len() > self.max_meta_entries as usize {
+            return Err(LimitError::MetaEntries {
+                count: meta.len(),
+                max: self.max_meta_entries,
+            });
+        }
+        if meta.encoded_len() > self.max_meta_bytes as usize {
+            return Err(LimitError::MetaBytes {
+                len: meta.encoded_len(),
+                max: self.max_meta_bytes,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_body: 64 << 20,
+            max_meta_bytes: 4096,
+            max_meta_entries: 32,
+        }
+    }
+}
+
+/// A message that does not fit a set of [`Limits`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LimitError {
+    /// The body is too large.
+    #[error("body of {len} bytes exceeds max_body of {max}")]
+    Body {
+        /// Body length.
+        len: u64,
+        /// Limit.
+        max: u64,
+    },
+    /// Too many metadata entries.
+    #[error("{count} metadata entries exceed max_meta_entries of {max}")]
+    MetaEntries {
+        /// Entry count.
+        count: usize,
+        /// Limit.
+        max: u16,
+    },
+    /// The metadata encoding is too large.
+    #[error("metadata of {len} encoded bytes exceeds max_meta_bytes of {max}")]
+    MetaBytes {
+        /// Encoded length.
+        len: usize,
+        /// Limit.
+        max: u32,
+    },
+}
+
+/// The encoded size of `msg`'s frame minus its body: header, type and metadata.
+pub fn head_len(msg: &Message) -> usize {
+    FRAME_HEAD_LEN + msg.kind().len() + msg.meta().encoded_len()
+}
+
+/// Remembers the last type decoded so a run of messages of one type shares one allocation.
+#[derive(Default)]
+pub(crate) struct TypeCache(Option<MsgType>);
+
+impl TypeCache {
+    pub(crate) fn get(&mut self, bytes: &[u8]) -> Result<MsgType, crate::message::InvalidType> {
+        if let Some(t) = &self.0
+            && t.as_bytes() == bytes
+        {
+            return Ok(t.clone());
+        }
+        let t = MsgType::from_bytes(bytes::Bytes::copy_from_slice(bytes))?;
+        self.0 = Some(t.clone());
+        Ok(t)
+    }
+}
