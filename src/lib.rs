@@ -38,6 +38,8 @@
 //! * the channel layer — [`Context`], [`Listener`], [`Channel`], [`Sender`], [`Receiver`].
 //! * the transports, private, each behind the same two traits.
 
+#![warn(missing_docs)]
+
 #[cfg(not(target_pointer_width = "64"))]
 compile_error!("hyperframes supports 64-bit targets only");
 
