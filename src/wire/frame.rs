@@ -242,8 +242,10 @@ impl Decoder {
     /// The default body size from which bodies get their own buffer: 256 KiB.
     pub const DEFAULT_DIRECT_THRESHOLD: usize = 256 << 10;
 
-    /// A decoder enforcing `limits` (this side's receive limits).
-    pub fn new(limits: Limits) -> Decoder {
+    /// A decoder enforcing `limits` (this side's receive limits). A `max_body` above
+    /// [`Limits::MAX_BODY_CEILING`] is lowered to it.
+    pub fn new(mut limits: Limits) -> Decoder {
+        limits.max_body = limits.max_body.min(Limits::MAX_BODY_CEILING);
         Decoder {
             limits,
             direct_threshold: Decoder::DEFAULT_DIRECT_THRESHOLD,
@@ -289,14 +291,17 @@ impl Decoder {
         };
         let head = FrameHead::parse(head, &self.limits)?;
         let prefix = head.prefix_len();
-        // Cannot overflow: body_len <= max_body <= 1 TiB, prefix < 4 GiB + 280.
+        // Cannot overflow: body_len <= max_body <= 1 TiB (clamped in `new`), prefix < 4 GiB + 280.
         let body_len = head.body_len as usize;
         let total = prefix + body_len;
         if src.len() >= total {
             let frame = src.split_to(total).freeze();
             return self.frame(&head, frame).map(Some);
         }
-        if body_len >= self.direct_threshold && src.len() >= prefix {
+        if head.kind == FrameKind::Message
+            && body_len >= self.direct_threshold
+            && src.len() >= prefix
+        {
             let frame = src.split_to(prefix).freeze();
             let (kind, meta) = self.type_and_meta(&head, &frame)?;
             // The length was checked against max_body in `FrameHead::parse`.
@@ -394,11 +399,12 @@ impl Decoder {
         let Ok(head) = FrameHead::parse(head, &self.limits) else {
             return 0;
         };
-        let need = if head.body_len as usize >= self.direct_threshold {
-            head.prefix_len()
-        } else {
-            head.prefix_len() + head.body_len as usize
-        };
+        let need =
+            if head.kind == FrameKind::Message && head.body_len as usize >= self.direct_threshold {
+                head.prefix_len()
+            } else {
+                head.prefix_len() + head.body_len as usize
+            };
         need.saturating_sub(src.len())
     }
 

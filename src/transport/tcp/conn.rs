@@ -88,10 +88,10 @@ impl Conn {
     /// Ends the connection with `err` (the first failure wins) and wakes everyone.
     pub(crate) fn fail(&self, err: Error, tell_peer: bool) {
         let reason = tell_peer.then(|| err.to_string());
-        if self.error.set(err).is_ok() {
-            if let Some(r) = reason {
-                *self.notify_peer.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
-            }
+        if self.error.set(err).is_ok()
+            && let Some(r) = reason
+        {
+            *self.notify_peer.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
         }
         self.inp.close_tx();
         self.wake_all();

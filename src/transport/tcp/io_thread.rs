@@ -179,21 +179,7 @@ async fn serve(engine: IoEngine, mut cmds: mpsc::Receiver<Command>, cfg: Config)
         match cmd {
             Command::Connect { host, port, reply } => {
                 tasks.spawn_local(async move {
-                    let res = tokio::time::timeout(
-                        cfg.connect_timeout,
-                        connect(engine, &host, port, &cfg),
-                    )
-                    .await
-                    .unwrap_or_else(|_| {
-                        Err(Error::new(
-                            ErrorKind::TimedOut,
-                            format!(
-                                "connecting to {}: no connection within {:?}",
-                                Endpoint::Tcp { host, port },
-                                cfg.connect_timeout
-                            ),
-                        ))
-                    });
+                    let res = connect(engine, &host, port, &cfg).await;
                     match res {
                         Ok((parts, driver)) => {
                             // If the caller gave up, dropping `parts` closes both halves and the
@@ -302,9 +288,19 @@ async fn connect(
             let stream = socket?.connect(addr).await?;
             stream.into_std()
         };
-        match attempt.await {
-            Ok(std) => return establish(engine, std, cfg).await,
-            Err(e) => last = Some(Error::io(format!("connecting to {url}"), e)),
+        // The deadline covers the TCP connection; the handshake has its own.
+        match tokio::time::timeout(cfg.connect_timeout, attempt).await {
+            Ok(Ok(std)) => return establish(engine, std, cfg).await,
+            Ok(Err(e)) => last = Some(Error::io(format!("connecting to {url}"), e)),
+            Err(_) => {
+                last = Some(Error::new(
+                    ErrorKind::TimedOut,
+                    format!(
+                        "connecting to {url}: no connection within {:?}",
+                        cfg.connect_timeout
+                    ),
+                ))
+            }
         }
     }
     Err(last.unwrap_or_else(|| Error::new(ErrorKind::NotFound, "no address to connect to")))
@@ -334,6 +330,9 @@ async fn establish(
                     tokio::time::timeout(Duration::from_millis(200), stream.write_all(b.take()))
                         .await;
             }
+            // Shut the socket down before dropping it: on io_uring a read that timed out may
+            // still be pending, and the descriptor is only closed once it completes.
+            let _ = stream.shutdown(std::net::Shutdown::Both);
             return Err(e);
         }
     };

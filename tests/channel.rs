@@ -1,0 +1,566 @@
+//! Channel semantics, one suite run against every transport (inproc, tcp on io_uring, tcp on
+//! epoll): round trips, ordering, full duplex across tasks, half close, backpressure,
+//! limits, receiver drop, reunite, cancel safety.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
+use hyperframes::{Channel, Context, ContextBuilder, ErrorKind, Flags, Header, IoEngine, Message};
+use tokio::time::timeout;
+
+#[derive(Clone, Copy, Debug)]
+enum T {
+    Inproc,
+    Uring,
+    Epoll,
+}
+
+static NAME: AtomicUsize = AtomicUsize::new(0);
+
+const GUARD: Duration = Duration::from_secs(30);
+
+impl T {
+    fn ctx(self, b: ContextBuilder) -> Context {
+        match self {
+            T::Inproc => b.build().unwrap(),
+            T::Uring => b.io_engine(IoEngine::Uring).build().unwrap(),
+            T::Epoll => b.io_engine(IoEngine::Epoll).build().unwrap(),
+        }
+    }
+
+    fn url(self) -> String {
+        match self {
+            T::Inproc => format!("inproc://chan-{}", NAME.fetch_add(1, Ordering::Relaxed)),
+            T::Uring | T::Epoll => "tcp://127.0.0.1:0".into(),
+        }
+    }
+
+    fn is_tcp(self) -> bool {
+        !matches!(self, T::Inproc)
+    }
+}
+
+/// A connected pair (client, server) on one context.
+async fn pair_with(t: T, b: ContextBuilder) -> (Context, Channel, Channel) {
+    let ctx = t.ctx(b);
+    let mut l = ctx.bind(&t.url()).await.unwrap();
+    let url = l.local_url().to_owned();
+    let (c, s) = tokio::join!(ctx.connect(&url), l.accept());
+    (ctx, c.unwrap(), s.unwrap())
+}
+
+async fn pair(t: T) -> (Context, Channel, Channel) {
+    pair_with(t, Context::builder()).await
+}
+
+fn msg(i: u64, len: usize) -> Message {
+    let body: Vec<u8> = (0..len)
+        .map(|j| (j as u64).wrapping_mul(31).wrapping_add(i) as u8)
+        .collect();
+    Message::new("test.seq")
+        .unwrap()
+        .with_meta("i", &i.to_string())
+        .unwrap()
+        .with_body(body)
+}
+
+fn seq(m: &Message) -> u64 {
+    m.meta().get("i").unwrap().parse().unwrap()
+}
+
+async fn round_trip_every_field(t: T) {
+    let (_ctx, mut c, mut s) = pair(t).await;
+    for (i, len) in [0usize, 1, 64, 511, 512, 513, 65536, 300 << 10, 4 << 20]
+        .into_iter()
+        .enumerate()
+    {
+        let m = msg(i as u64, len)
+            .with_meta("shape", "1920x1080")
+            .unwrap()
+            .with_header(Header {
+                flags: Flags::REQUEST,
+                correlation: 0xdead_beef_0000 + i as u64,
+            });
+        c.send(m.clone()).await.unwrap();
+        let got = timeout(GUARD, s.recv()).await.unwrap().unwrap().unwrap();
+        assert_eq!(got, m, "len {len}");
+        // and back the other way
+        s.send(got).await.unwrap();
+        let back = timeout(GUARD, c.recv()).await.unwrap().unwrap().unwrap();
+        assert_eq!(back, m);
+    }
+}
+
+async fn in_order_under_load(t: T) {
+    let (_ctx, c, s) = pair(t).await;
+    let (mut tx, _crx) = c.split();
+    let (_stx, mut rx) = s.split();
+    const N: u64 = 20_000;
+    let sender = tokio::spawn(async move {
+        for i in 0..N {
+            tx.send(msg(i, (i % 97) as usize * 13)).await.unwrap();
+        }
+        tx.close().await.unwrap();
+    });
+    for i in 0..N {
+        let m = timeout(GUARD, rx.recv()).await.unwrap().unwrap().unwrap();
+        assert_eq!(seq(&m), i);
+        assert_eq!(m, msg(i, (i % 97) as usize * 13));
+    }
+    assert!(timeout(GUARD, rx.recv()).await.unwrap().is_none());
+    sender.await.unwrap();
+}
+
+async fn full_duplex_across_tasks(t: T) {
+    let (_ctx, c, s) = pair(t).await;
+    const N: u64 = 2_000;
+    let mut tasks = Vec::new();
+    for ch in [c, s] {
+        let (mut tx, mut rx) = ch.split();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..N {
+                tx.send(msg(i, 1000)).await.unwrap();
+            }
+            tx.close().await.unwrap();
+        }));
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0;
+            while let Some(m) = timeout(GUARD, rx.recv()).await.unwrap() {
+                assert_eq!(seq(&m.unwrap()), n);
+                n += 1;
+            }
+            assert_eq!(n, N);
+        }));
+    }
+    for t in tasks {
+        timeout(GUARD, t).await.unwrap().unwrap();
+    }
+}
+
+fn futures_executor_block_on<F: std::future::Future>(f: F) -> F::Output {
+    // Polls a future on this thread with no runtime at all, as a non-tokio executor would.
+    let waker = futures_util::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::yield_now();
+    }
+}
+
+async fn half_close_keeps_the_other_direction(t: T) {
+    let (_ctx, mut c, mut s) = pair(t).await;
+    c.send(msg(1, 10)).await.unwrap();
+    c.close().await.unwrap();
+    assert_eq!(seq(&s.recv().await.unwrap().unwrap()), 1);
+    assert!(
+        timeout(GUARD, s.recv()).await.unwrap().is_none(),
+        "stream ends after close"
+    );
+    assert!(s.recv().await.is_none(), "and stays ended");
+    // the server can still talk to the client
+    s.send(msg(2, 10)).await.unwrap();
+    s.flush().await.unwrap();
+    assert_eq!(
+        seq(&timeout(GUARD, c.recv()).await.unwrap().unwrap().unwrap()),
+        2
+    );
+    // sending on a closed sender is an error, not a hang
+    let e = c.send(msg(3, 1)).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Closed);
+    s.close().await.unwrap();
+    assert!(timeout(GUARD, c.recv()).await.unwrap().is_none());
+}
+
+async fn drop_is_a_close(t: T) {
+    let (_ctx, c, mut s) = pair(t).await;
+    let (mut tx, rx) = c.split();
+    for i in 0..100 {
+        tx.send(msg(i, 100)).await.unwrap();
+    }
+    drop(tx);
+    drop(rx);
+    for i in 0..100 {
+        assert_eq!(
+            seq(&timeout(GUARD, s.recv()).await.unwrap().unwrap().unwrap()),
+            i
+        );
+    }
+    assert!(timeout(GUARD, s.recv()).await.unwrap().is_none());
+}
+
+async fn backpressure_is_real(t: T) {
+    let (_ctx, c, mut s) = pair_with(
+        t,
+        Context::builder()
+            .send_queue(8, 1 << 20)
+            .recv_queue(8, 1 << 20),
+    )
+    .await;
+    let (mut tx, _rx) = c.split();
+    let body = Bytes::from(vec![7u8; 64 << 10]);
+    let mut sent = 0u64;
+    // Nobody reads: the queues fill, then the kernel's socket buffers (which grow for a
+    // while), and then the sender must stay blocked.
+    loop {
+        let m = Message::new("test.bp").unwrap().with_body(body.clone());
+        match tx.try_send(m) {
+            Ok(()) => sent += 1,
+            Err(e) => {
+                assert_eq!(e.kind(), ErrorKind::Full);
+                if timeout(Duration::from_millis(300), tx.ready())
+                    .await
+                    .is_err()
+                {
+                    break; // blocked for good while nobody reads
+                }
+            }
+        }
+        assert!(sent < 20_000, "no backpressure after {sent} x 64 KiB");
+    }
+    // Everything sent arrives once the receiver reads.
+    let reader = tokio::spawn(async move {
+        let mut n = 0u64;
+        while let Some(m) = timeout(GUARD, s.recv()).await.unwrap() {
+            assert_eq!(m.unwrap().body().len(), 64 << 10);
+            n += 1;
+        }
+        n
+    });
+    tx.ready().await.unwrap();
+    tx.close().await.unwrap();
+    assert_eq!(reader.await.unwrap(), sent);
+}
+
+async fn receiver_drop_fails_the_peers_sender(t: T) {
+    let (_ctx, c, s) = pair(t).await;
+    let (mut tx, _rx) = c.split();
+    let (_stx, srx) = s.split();
+    drop(srx);
+    let res = timeout(GUARD, async {
+        loop {
+            if let Err(e) = tx.send(msg(0, 10)).await {
+                return e;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(res.kind(), ErrorKind::Closed, "{res}");
+}
+
+async fn peer_limits_are_enforced_at_send(t: T) {
+    let ctx = t.ctx(Context::builder().max_body(1024).max_meta_entries(2));
+    let mut l = ctx.bind(&t.url()).await.unwrap();
+    let url = l.local_url().to_owned();
+    let (c, s) = tokio::join!(ctx.connect(&url), l.accept());
+    let (mut c, mut s) = (c.unwrap(), s.unwrap());
+    assert_eq!(c.info().peer_limits().max_body, 1024);
+    let mut e = c.send(msg(1, 2048)).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::LimitExceeded);
+    assert!(e.to_string().contains("max_body"), "{e}");
+    assert_eq!(
+        e.take_message().unwrap().body().len(),
+        2048,
+        "message handed back"
+    );
+    let m = msg(2, 10)
+        .with_meta("a", "1")
+        .unwrap()
+        .with_meta("b", "2")
+        .unwrap();
+    assert_eq!(
+        c.send(m).await.unwrap_err().kind(),
+        ErrorKind::LimitExceeded
+    );
+    // the channel is still usable
+    c.send(msg(3, 1024)).await.unwrap();
+    assert_eq!(
+        seq(&timeout(GUARD, s.recv()).await.unwrap().unwrap().unwrap()),
+        3
+    );
+}
+
+async fn reunite_checks_identity(t: T) {
+    let (_ctx, c, s) = pair(t).await;
+    let (ctx_, ctx_rx) = c.split();
+    let (stx, srx) = s.split();
+    let err = ctx_.reunite(srx).unwrap_err();
+    let (ctx_, srx) = (err.0, err.1);
+    let mut c = ctx_.reunite(ctx_rx).unwrap();
+    let mut s = srx.reunite(stx).unwrap();
+    c.send(msg(5, 5)).await.unwrap();
+    assert_eq!(
+        seq(&timeout(GUARD, s.recv()).await.unwrap().unwrap().unwrap()),
+        5
+    );
+}
+
+async fn sink_and_stream_traits(t: T) {
+    let (_ctx, c, s) = pair(t).await;
+    let (mut tx, _) = c.split();
+    let (_, rx) = s.split();
+    let mut items = futures_util::stream::iter((0..500).map(|i| Ok(msg(i, 64))));
+    tx.send_all(&mut items).await.unwrap();
+    SinkExt::close(&mut tx).await.unwrap();
+    let got: Vec<_> = timeout(GUARD, rx.map(|m| seq(&m.unwrap())).collect::<Vec<_>>())
+        .await
+        .unwrap();
+    assert_eq!(got, (0..500).collect::<Vec<_>>());
+}
+
+async fn recv_is_cancel_safe(t: T) {
+    let (_ctx, c, mut s) = pair(t).await;
+    let (mut tx, _) = c.split();
+    let sender = tokio::spawn(async move {
+        for i in 0..300 {
+            tx.send(msg(i, 32)).await.unwrap();
+            if i % 7 == 0 {
+                tokio::time::sleep(Duration::from_micros(200)).await;
+            }
+        }
+        tx.close().await.unwrap();
+    });
+    let mut next = 0;
+    loop {
+        // A recv cancelled by a short timeout must not lose the message.
+        match timeout(Duration::from_micros(50), s.recv()).await {
+            Err(_) => continue,
+            Ok(None) => break,
+            Ok(Some(m)) => {
+                assert_eq!(seq(&m.unwrap()), next);
+                next += 1;
+            }
+        }
+    }
+    assert_eq!(next, 300);
+    sender.await.unwrap();
+}
+
+async fn many_peers_one_listener(t: T) {
+    let ctx = t.ctx(Context::builder());
+    let mut l = ctx.bind(&t.url()).await.unwrap();
+    let url = l.local_url().to_owned();
+    let server = tokio::spawn(async move {
+        let mut handlers = Vec::new();
+        for _ in 0..32 {
+            let mut ch = l.accept().await.unwrap();
+            handlers.push(tokio::spawn(async move {
+                while let Some(m) = ch.recv().await {
+                    ch.send(m.unwrap()).await.unwrap();
+                }
+                ch.close().await.unwrap();
+            }));
+        }
+        for h in handlers {
+            h.await.unwrap();
+        }
+    });
+    let mut clients = Vec::new();
+    for k in 0..32u64 {
+        let ctx = ctx.clone();
+        let url = url.clone();
+        clients.push(tokio::spawn(async move {
+            let mut ch = ctx.connect(&url).await.unwrap();
+            for i in 0..50 {
+                ch.send(msg(k * 1000 + i, 100)).await.unwrap();
+                let back = ch.recv().await.unwrap().unwrap();
+                assert_eq!(seq(&back), k * 1000 + i);
+            }
+            ch.close().await.unwrap();
+            assert!(ch.recv().await.is_none());
+        }));
+    }
+    for c in clients {
+        timeout(GUARD, c).await.unwrap().unwrap();
+    }
+    timeout(GUARD, server).await.unwrap().unwrap();
+}
+
+async fn channels_outlive_their_context(t: T) {
+    let (ctx, mut c, mut s) = pair(t).await;
+    drop(ctx);
+    c.send(msg(9, 9)).await.unwrap();
+    assert_eq!(
+        seq(&timeout(GUARD, s.recv()).await.unwrap().unwrap().unwrap()),
+        9
+    );
+}
+
+async fn listener_reports_its_address(t: T) {
+    let ctx = t.ctx(Context::builder());
+    let url = t.url();
+    let l = ctx.bind(&url).await.unwrap();
+    if t.is_tcp() {
+        assert!(l.local_url().starts_with("tcp://127.0.0.1:"));
+        assert!(
+            !l.local_url().ends_with(":0"),
+            "real port: {}",
+            l.local_url()
+        );
+        let again = ctx.bind(l.local_url()).await.unwrap_err();
+        assert_eq!(again.kind(), ErrorKind::AddrInUse, "{again}");
+    } else {
+        assert_eq!(l.local_url(), url);
+        assert_eq!(
+            ctx.bind(&url).await.unwrap_err().kind(),
+            ErrorKind::AddrInUse
+        );
+        drop(l);
+        ctx.bind(&url)
+            .await
+            .expect("name free again after the listener is dropped");
+    }
+}
+
+macro_rules! suite {
+    ($($name:ident),* $(,)?) => {
+        mod inproc { $( #[tokio::test] async fn $name() { super::$name(super::T::Inproc).await } )* }
+        mod tcp_uring { $( #[tokio::test] async fn $name() { super::$name(super::T::Uring).await } )* }
+        mod tcp_epoll { $( #[tokio::test] async fn $name() { super::$name(super::T::Epoll).await } )* }
+    };
+}
+
+suite!(
+    round_trip_every_field,
+    in_order_under_load,
+    full_duplex_across_tasks,
+    half_close_keeps_the_other_direction,
+    drop_is_a_close,
+    backpressure_is_real,
+    receiver_drop_fails_the_peers_sender,
+    peer_limits_are_enforced_at_send,
+    reunite_checks_identity,
+    sink_and_stream_traits,
+    recv_is_cancel_safe,
+    many_peers_one_listener,
+    channels_outlive_their_context,
+    listener_reports_its_address,
+);
+
+// ---- tcp only ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_works_from_a_multi_thread_runtime() {
+    round_trip_every_field(T::Uring).await;
+    round_trip_every_field(T::Epoll).await;
+}
+
+#[test]
+fn tcp_works_without_any_runtime_in_the_caller() {
+    // The context's own I/O threads do the work; the caller's executor needs no reactor.
+    let ctx = Context::new();
+    futures_executor_block_on(async {
+        let mut l = ctx.bind("tcp://127.0.0.1:0").await.unwrap();
+        let url = l.local_url().to_owned();
+        let (c, s) = futures_util::future::join(ctx.connect(&url), l.accept()).await;
+        let (mut c, mut s) = (c.unwrap(), s.unwrap());
+        c.send(msg(1, 100)).await.unwrap();
+        assert_eq!(seq(&s.recv().await.unwrap().unwrap()), 1);
+    });
+}
+
+#[tokio::test]
+async fn tcp_ipv6_loopback() {
+    let ctx = Context::new();
+    let mut l = match ctx.bind("tcp://[::1]:0").await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("no IPv6 loopback here, skipping: {e}");
+            return;
+        }
+    };
+    assert!(
+        l.local_url().starts_with("tcp://[::1]:"),
+        "{}",
+        l.local_url()
+    );
+    let url = l.local_url().to_owned();
+    let (c, s) = tokio::join!(ctx.connect(&url), l.accept());
+    let (mut c, mut s) = (c.unwrap(), s.unwrap());
+    assert!(s.info().peer_url().starts_with("tcp://[::1]:"));
+    c.send(msg(1, 1 << 20)).await.unwrap();
+    assert_eq!(s.recv().await.unwrap().unwrap(), msg(1, 1 << 20));
+}
+
+#[tokio::test]
+async fn tcp_connect_refused_is_a_clear_error() {
+    // Bind then drop to find a port nobody listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let e = Context::new()
+        .connect(&format!("tcp://127.0.0.1:{port}"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.io_kind(),
+        Some(std::io::ErrorKind::ConnectionRefused),
+        "{e}"
+    );
+    assert!(e.to_string().contains("refused"), "{e}");
+    assert!(e.to_string().contains(&port.to_string()), "{e}");
+}
+
+#[tokio::test]
+async fn inproc_connect_to_nothing_is_not_found() {
+    let e = Context::new()
+        .connect("inproc://nobody-here")
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+}
+
+#[tokio::test]
+async fn inproc_names_are_per_context() {
+    let a = Context::new();
+    let b = Context::new();
+    let _l = a.bind("inproc://same").await.unwrap();
+    let _l2 = b.bind("inproc://same").await.unwrap();
+    assert_eq!(
+        Context::new()
+            .connect("inproc://same")
+            .await
+            .unwrap_err()
+            .kind(),
+        ErrorKind::NotFound
+    );
+}
+
+#[tokio::test]
+async fn io_engine_is_reported() {
+    let ctx = Context::builder()
+        .io_engine(IoEngine::Epoll)
+        .build()
+        .unwrap();
+    assert_eq!(ctx.io_engine(), None);
+    let _l = ctx.bind("tcp://127.0.0.1:0").await.unwrap();
+    assert_eq!(ctx.io_engine(), Some(IoEngine::Epoll));
+    let ctx = Context::builder()
+        .io_engine(IoEngine::Uring)
+        .build()
+        .unwrap();
+    let _l = ctx.bind("tcp://127.0.0.1:0").await.unwrap();
+    assert_eq!(ctx.io_engine(), Some(IoEngine::Uring));
+}
+
+#[tokio::test]
+async fn bad_urls_are_refused_before_any_io() {
+    let ctx = Context::new();
+    for (url, kind) in [
+        ("tcp://127.0.0.1", ErrorKind::InvalidUrl),
+        ("nope://x", ErrorKind::UnsupportedScheme),
+        ("inproc://", ErrorKind::InvalidUrl),
+    ] {
+        assert_eq!(ctx.connect(url).await.unwrap_err().kind(), kind, "{url}");
+        assert_eq!(ctx.bind(url).await.unwrap_err().kind(), kind, "{url}");
+    }
+    assert_eq!(ctx.io_engine(), None, "no I/O thread started for a bad URL");
+}
