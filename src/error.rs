@@ -46,7 +46,10 @@ pub enum ErrorKind {
     Full,
     /// A deadline passed: connect, handshake, or a peer that stalled mid-frame.
     TimedOut,
-    /// Nothing listens at that address (inproc) or the name is unknown.
+    /// Nothing listens at that address: the connection was refused (tcp), or no listener is
+    /// bound to the name (inproc).
+    ConnectionRefused,
+    /// A host name has no addresses.
     NotFound,
     /// The address is already bound.
     AddrInUse,
@@ -73,6 +76,7 @@ impl ErrorKind {
             ErrorKind::Closed => "channel closed",
             ErrorKind::Full => "send queue full",
             ErrorKind::TimedOut => "timed out",
+            ErrorKind::ConnectionRefused => "connection refused",
             ErrorKind::NotFound => "not found",
             ErrorKind::AddrInUse => "address in use",
             ErrorKind::Unavailable => "unavailable",
@@ -123,6 +127,7 @@ impl Error {
             | io::ErrorKind::BrokenPipe
             | io::ErrorKind::UnexpectedEof => ErrorKind::ConnectionLost,
             io::ErrorKind::AddrInUse => ErrorKind::AddrInUse,
+            io::ErrorKind::ConnectionRefused => ErrorKind::ConnectionRefused,
             io::ErrorKind::TimedOut => ErrorKind::TimedOut,
             _ => ErrorKind::Io,
         };
@@ -243,6 +248,7 @@ impl From<Error> for io::Error {
             ErrorKind::Full => io::ErrorKind::WouldBlock,
             ErrorKind::TimedOut => io::ErrorKind::TimedOut,
             ErrorKind::NotFound => io::ErrorKind::NotFound,
+            ErrorKind::ConnectionRefused => io::ErrorKind::ConnectionRefused,
             ErrorKind::AddrInUse => io::ErrorKind::AddrInUse,
             ErrorKind::Protocol => io::ErrorKind::InvalidData,
             ErrorKind::InvalidType
@@ -267,8 +273,13 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::ConnectionLost);
         assert_eq!(e.io_kind(), Some(io::ErrorKind::ConnectionReset));
         let e = Error::io("connect", io::Error::from(io::ErrorKind::ConnectionRefused));
+        assert_eq!(e.kind(), ErrorKind::ConnectionRefused);
+        assert!(
+            e.to_string().starts_with("connection refused: connect"),
+            "{e}"
+        );
+        let e = Error::io("read", io::Error::from(io::ErrorKind::PermissionDenied));
         assert_eq!(e.kind(), ErrorKind::Io);
-        assert!(e.to_string().starts_with("I/O error: connect"), "{e}");
     }
 
     #[test]

@@ -510,12 +510,12 @@ async fn tcp_connect_refused_is_a_clear_error() {
 }
 
 #[tokio::test]
-async fn inproc_connect_to_nothing_is_not_found() {
+async fn inproc_connect_to_nothing_is_refused() {
     let e = Context::new()
         .connect("inproc://nobody-here")
         .await
         .unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::NotFound);
+    assert_eq!(e.kind(), ErrorKind::ConnectionRefused);
 }
 
 #[tokio::test]
@@ -530,7 +530,7 @@ async fn inproc_names_are_per_context() {
             .await
             .unwrap_err()
             .kind(),
-        ErrorKind::NotFound
+        ErrorKind::ConnectionRefused
     );
 }
 

@@ -68,7 +68,7 @@ pub(crate) async fn connect(reg: &Arc<Registry>, name: &str) -> Result<Parts> {
         let url = url.clone();
         move || {
             Error::new(
-                ErrorKind::NotFound,
+                ErrorKind::ConnectionRefused,
                 format!("nothing is bound at {url} in this context"),
             )
         }

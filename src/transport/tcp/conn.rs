@@ -315,7 +315,9 @@ pub(crate) async fn drive(
         match read_loop(&conn, &stream, src, &cfg).await {
             Ok(()) => conn.inp.close_tx(),
             Err((e, tell_peer)) => {
-                if e.kind() != ErrorKind::ConnectionLost {
+                if conn.failed() {
+                    // The write side failed first and said why; this is the reader stopping.
+                } else if e.kind() != ErrorKind::ConnectionLost {
                     tracing::warn!(peer = %peer, "closing connection: {e}");
                 } else {
                     tracing::debug!(peer = %peer, "connection lost: {e}");

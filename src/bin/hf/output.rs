@@ -1,0 +1,189 @@
+//! What `hf listen` prints: one JSON line per message, counted across connections.
+
+use std::fmt::Write as _;
+use std::io::{self, Write as _};
+use std::sync::Mutex;
+
+use hyperframes::Message;
+use sha2::{Digest, Sha256};
+use tokio::sync::Notify;
+
+use crate::Failure;
+
+/// Lowercase hex of the SHA-256 of `bytes`.
+pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
+    let digest = Sha256::digest(bytes);
+    let mut hex = String::with_capacity(64);
+    for b in digest {
+        let _ = write!(hex, "{b:02x}");
+    }
+    hex
+}
+
+/// A JSON string literal for `s` (quotes and escapes included).
+fn json_str(s: &str) -> String {
+    serde_json::to_string(s).expect("a str always serializes")
+}
+
+/// The JSON line for `msg`, without the newline:
+/// `{"type":"a.b","meta":{"k":"v"},"len":3,"sha256":"…"}`.
+///
+/// The metadata object keeps the message's order, which `serde_json::Map` (sorted without
+/// its `preserve_order` feature) would not, so the object is assembled here; every key and
+/// value is still escaped by serde_json. A body outside host memory has `"sha256":null`.
+pub(crate) fn json_line(msg: &Message) -> String {
+    let mut line = String::with_capacity(128);
+    line.push_str("{\"type\":");
+    line.push_str(&json_str(msg.kind().as_str()));
+    line.push_str(",\"meta\":{");
+    for (i, (key, value)) in msg.meta().iter().enumerate() {
+        if i > 0 {
+            line.push(',');
+        }
+        line.push_str(&json_str(key));
+        line.push(':');
+        line.push_str(&json_str(value));
+    }
+    let body = msg.body();
+    let _ = write!(line, "}},\"len\":{},\"sha256\":", body.len());
+    match body.as_bytes() {
+        Some(bytes) => {
+            line.push('"');
+            line.push_str(&sha256_hex(bytes));
+            line.push('"');
+        }
+        None => line.push_str("null"),
+    }
+    line.push('}');
+    line
+}
+
+/// Flushes stdout, ignoring errors (used on the way out).
+pub(crate) fn flush_stdout() {
+    let _ = io::stdout().lock().flush();
+}
+
+/// Prints lines to stdout for every connection, one whole line at a time, and counts them.
+pub(crate) struct Printer {
+    state: Mutex<State>,
+    limit: Option<u64>,
+    done: Notify,
+}
+
+struct State {
+    printed: u64,
+    /// Set once nothing more is printed: `Ok` when the count was reached (or stdout was
+    /// closed by its reader), `Err` when stdout failed.
+    end: Option<Result<(), Failure>>,
+}
+
+impl Printer {
+    /// A printer that finishes after `limit` lines, or never.
+    pub(crate) fn new(limit: Option<u64>) -> Printer {
+        let printer = Printer {
+            state: Mutex::new(State {
+                printed: 0,
+                end: None,
+            }),
+            limit,
+            done: Notify::new(),
+        };
+        if limit == Some(0) {
+            printer.finish(&mut printer.state.lock().expect("not poisoned"), Ok(()));
+        }
+        printer
+    }
+
+    fn finish(&self, state: &mut State, end: Result<(), Failure>) {
+        if state.end.is_none() {
+            state.end = Some(end);
+            // The permit is stored when `finished` is not waiting yet.
+            self.done.notify_one();
+        }
+    }
+
+    /// Prints `line` and a newline, and flushes. Returns `false` when the caller should stop
+    /// receiving: the count has been reached (by this line or before: a line past the count
+    /// is not printed) or stdout is gone.
+    pub(crate) fn print(&self, line: &str) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.end.is_some() {
+            return false;
+        }
+        let written = {
+            let mut out = io::stdout().lock();
+            out.write_all(line.as_bytes())
+                .and_then(|()| out.write_all(b"\n"))
+                .and_then(|()| out.flush())
+        };
+        match written {
+            Ok(()) => {
+                state.printed += 1;
+                if Some(state.printed) == self.limit {
+                    self.finish(&mut state, Ok(()));
+                    return false;
+                }
+                true
+            }
+            // `hf listen | head -1`: the reader has what it wanted.
+            Err(e) if e.kind() == io::ErrorKind::BrokenPipe => {
+                self.finish(&mut state, Ok(()));
+                false
+            }
+            Err(e) => {
+                self.finish(
+                    &mut state,
+                    Err(Failure::runtime(format!("writing to stdout: {e}"))),
+                );
+                false
+            }
+        }
+    }
+
+    /// Waits until the count is reached or stdout failed.
+    pub(crate) async fn finished(&self) -> Result<(), Failure> {
+        loop {
+            {
+                let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(end) = state.end.take() {
+                    // Keep `end` set so that `print` refuses from now on.
+                    state.end = Some(Ok(()));
+                    return end;
+                }
+            }
+            self.done.notified().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_lines_keep_meta_order_and_escape() {
+        let msg = Message::new("demo.hello")
+            .unwrap()
+            .with_meta("z", "1")
+            .unwrap()
+            .with_meta("a", "say \"hi\"\n✓")
+            .unwrap()
+            .with_body(&b"abc"[..]);
+        let line = json_line(&msg);
+        assert_eq!(
+            line,
+            "{\"type\":\"demo.hello\",\"meta\":{\"z\":\"1\",\"a\":\"say \\\"hi\\\"\\n✓\"},\
+             \"len\":3,\"sha256\":\
+             \"ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad\"}"
+        );
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["meta"]["a"], "say \"hi\"\n✓");
+
+        let empty = json_line(&Message::new("e").unwrap());
+        assert_eq!(
+            empty,
+            "{\"type\":\"e\",\"meta\":{},\"len\":0,\"sha256\":\
+             \"e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855\"}"
+        );
+    }
+}

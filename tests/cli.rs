@@ -1,0 +1,727 @@
+//! The `hf` binary, end to end: `hf listen` and `hf send` as processes (and a library client
+//! for `--echo`), their JSON lines, exit statuses and error lines.
+//!
+//! Synchronization is by output only: a listener is used once its `listening on` line is
+//! read, and a run is over when its process exits. Every wait has a 30 s guard that fails
+//! the test, and every spawned process is killed when its guard is dropped.
+
+#![cfg(feature = "cli")]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use hyperframes::wire::{Batch, HANDSHAKE_LEN, Handshake};
+use hyperframes::{Context, Limits, Message};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+const GUARD: Duration = Duration::from_secs(30);
+
+fn hf() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hf"));
+    cmd.env_remove("RUST_LOG").env_remove("HYPERFRAMES_IO");
+    cmd
+}
+
+/// A spawned process, killed (and reaped) when dropped: a failing test leaves nothing behind.
+struct Proc {
+    child: Child,
+    what: String,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Lines of a pipe, read on a thread; the channel disconnects at end of file.
+fn lines_of(pipe: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        for line in BufReader::new(pipe).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Everything until end of file, or what came before the deadline.
+fn collect(rx: &mpsc::Receiver<String>, deadline: Instant) -> Result<Vec<String>, Vec<String>> {
+    let mut out = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => out.push(line),
+            Err(mpsc::RecvTimeoutError::Disconnected) => return Ok(out),
+            Err(mpsc::RecvTimeoutError::Timeout) => return Err(out),
+        }
+    }
+}
+
+/// A `tracing` line (it starts with a timestamp), as opposed to one of `hf`'s own.
+fn is_log_line(line: &str) -> bool {
+    line.starts_with(|c: char| c.is_ascii_digit())
+}
+
+struct Finished {
+    status: ExitStatus,
+    stdout: Vec<String>,
+    stderr: Vec<String>,
+}
+
+impl Finished {
+    /// stderr without `tracing` log lines (they start with a timestamp).
+    fn hf_stderr(&self) -> Vec<&str> {
+        self.stderr
+            .iter()
+            .map(String::as_str)
+            .filter(|l| !is_log_line(l))
+            .collect()
+    }
+}
+
+impl Proc {
+    fn spawn(
+        cmd: &mut Command,
+        stdin: Stdio,
+    ) -> (Proc, Option<ChildStdout>, mpsc::Receiver<String>) {
+        let what = format!("{cmd:?}");
+        let mut child = cmd
+            .stdin(stdin)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawning {what}: {e}"));
+        let stdout = child.stdout.take();
+        let stderr = lines_of(child.stderr.take().expect("piped"));
+        (Proc { child, what }, stdout, stderr)
+    }
+
+    /// Waits for the exit (the guard fails the test), given the output readers.
+    fn finish(
+        mut self,
+        stdout: mpsc::Receiver<String>,
+        stderr: mpsc::Receiver<String>,
+        mut stderr_so_far: Vec<String>,
+    ) -> Finished {
+        let deadline = Instant::now() + GUARD;
+        let stdout = collect(&stdout, deadline);
+        let stderr = collect(&stderr, deadline);
+        let (Ok(stdout), Ok(stderr)) = (&stdout, &stderr) else {
+            panic!(
+                "{}: still running after {GUARD:?}\nstdout so far: {stdout:#?}\n\
+                 stderr so far: {stderr_so_far:#?}\n{stderr:#?}",
+                self.what
+            );
+        };
+        let stdout = stdout.clone();
+        stderr_so_far.extend(stderr.iter().cloned());
+        // Both pipes are closed: the process is exiting.
+        let status = self.child.wait().expect("wait");
+        Finished {
+            status,
+            stdout,
+            stderr: stderr_so_far,
+        }
+    }
+}
+
+/// Runs `hf args…` to completion.
+fn run(args: &[&str]) -> Finished {
+    run_with(hf().args(args), None)
+}
+
+fn run_with(cmd: &mut Command, stdin: Option<&[u8]>) -> Finished {
+    let piped = if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    };
+    let (mut proc, stdout, stderr) = Proc::spawn(cmd, piped);
+    if let Some(data) = stdin {
+        let mut pipe = proc.child.stdin.take().expect("piped");
+        pipe.write_all(data).expect("writing stdin");
+    }
+    let stdout = lines_of(stdout.expect("piped"));
+    proc.finish(stdout, stderr, Vec::new())
+}
+
+/// `hf send` that must succeed.
+fn send(url: &str, args: &[&str], env: &[(&str, &str)]) {
+    let out = run_with(
+        hf().arg("send")
+            .arg(url)
+            .args(args)
+            .envs(env.iter().copied()),
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "hf send {url} {args:?}: {:?}\n{:#?}",
+        out.status,
+        out.stderr
+    );
+    assert!(
+        out.stdout.is_empty(),
+        "hf send wrote to stdout: {:?}",
+        out.stdout
+    );
+    assert!(
+        out.hf_stderr().is_empty(),
+        "hf send wrote to stderr: {:?}",
+        out.stderr
+    );
+}
+
+/// A running `hf listen tcp://127.0.0.1:0 …`, bound.
+struct Listening {
+    proc: Proc,
+    url: String,
+    stdout: mpsc::Receiver<String>,
+    stderr: mpsc::Receiver<String>,
+    stderr_so_far: Vec<String>,
+}
+
+fn listen(args: &[&str], env: &[(&str, &str)]) -> Listening {
+    let (proc, stdout, stderr) = Proc::spawn(
+        hf().args(["listen", "tcp://127.0.0.1:0"])
+            .args(args)
+            .envs(env.iter().copied()),
+        Stdio::null(),
+    );
+    let stdout = lines_of(stdout.expect("piped"));
+    let deadline = Instant::now() + GUARD;
+    let mut stderr_so_far = Vec::new();
+    let url = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = stderr
+            .recv_timeout(left)
+            .unwrap_or_else(|e| panic!("no `listening on` line ({e}); stderr: {stderr_so_far:#?}"));
+        if let Some(url) = line.strip_prefix("listening on ") {
+            break url.to_owned();
+        }
+        stderr_so_far.push(line);
+    };
+    assert!(url.starts_with("tcp://127.0.0.1:"), "{url}");
+    assert!(!url.ends_with(":0"), "the real port, not 0: {url}");
+    Listening {
+        proc,
+        url,
+        stdout,
+        stderr,
+        stderr_so_far,
+    }
+}
+
+impl Listening {
+    fn next_stdout_line(&self) -> String {
+        self.stdout
+            .recv_timeout(GUARD)
+            .unwrap_or_else(|e| panic!("no line on the listener's stdout: {e}"))
+    }
+
+    /// The next line `hf` itself writes on stderr (log lines aside).
+    fn next_stderr_line(&mut self) -> String {
+        loop {
+            let line = self
+                .stderr
+                .recv_timeout(GUARD)
+                .unwrap_or_else(|e| panic!("no line on the listener's stderr: {e}"));
+            self.stderr_so_far.push(line.clone());
+            if !is_log_line(&line) {
+                return line;
+            }
+        }
+    }
+
+    /// Waits for the listener to exit by itself (`--count`), successfully.
+    fn finish(self) -> Finished {
+        let out = self
+            .proc
+            .finish(self.stdout, self.stderr, self.stderr_so_far);
+        assert!(
+            out.status.success(),
+            "hf listen: {:?}\n{:#?}",
+            out.status,
+            out.stderr
+        );
+        out
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// What `hf send --size N` sends: byte i is i mod 251.
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i % 251) as u8).collect()
+}
+
+/// Checks one JSON line: type, metadata (in order), length and digest.
+fn check_line(line: &str, kind: &str, meta: &[(&str, &str)], body: &[u8]) {
+    let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    let obj = v.as_object().expect("an object");
+    assert_eq!(
+        obj.keys().collect::<Vec<_>>(),
+        ["len", "meta", "sha256", "type"],
+        "{line}"
+    );
+    assert_eq!(v["type"], kind, "{line}");
+    assert_eq!(v["len"], body.len() as u64, "{line}");
+    assert_eq!(v["sha256"], sha256_hex(body), "{line}");
+    let got = v["meta"].as_object().expect("meta is an object");
+    assert_eq!(got.len(), meta.len(), "{line}");
+    for (k, val) in meta {
+        assert_eq!(got[*k], *val, "{line}");
+    }
+    // The order of the entries is the sender's, which `Value` does not keep: check the text.
+    let in_order: Vec<String> = meta
+        .iter()
+        .map(|(k, v)| {
+            format!(
+                "{}:{}",
+                serde_json::to_string(k).unwrap(),
+                serde_json::to_string(v).unwrap()
+            )
+        })
+        .collect();
+    let expected = format!("\"meta\":{{{}}}", in_order.join(","));
+    assert!(line.contains(&expected), "{line} lacks {expected}");
+}
+
+fn lines_of_type<'a>(lines: &'a [String], kind: &str) -> Vec<&'a String> {
+    let needle = format!("{{\"type\":{},", serde_json::to_string(kind).unwrap());
+    lines.iter().filter(|l| l.starts_with(&needle)).collect()
+}
+
+/// Several `hf send` runs into one `hf listen --count`: metadata, sizes and their units.
+fn round_trip(env: &[(&str, &str)]) {
+    let l = listen(&["--count", "9"], env);
+    let small_meta = [
+        ("z", "1"),
+        ("a", "2"),
+        ("q", "he said \"hi\" ✓"),
+        ("expr", "x=y"),
+        ("empty", ""),
+    ];
+    send(
+        &l.url,
+        &[
+            "--type",
+            "demo.small",
+            "--meta",
+            "z=1",
+            "--meta",
+            "a=2",
+            "-m",
+            "q=he said \"hi\" ✓",
+            "--meta",
+            "expr=x=y",
+            "--meta",
+            "empty=",
+            "--size",
+            "1KiB",
+            "--count",
+            "3",
+        ],
+        env,
+    );
+    send(
+        &l.url,
+        &["--type", "demo.big", "--size", "4MiB", "--count", "2"],
+        env,
+    );
+    send(
+        &l.url,
+        &["-t", "demo.empty", "--size", "0", "-m", "k=v"],
+        env,
+    );
+    send(&l.url, &["-t", "demo.none"], env);
+    send(&l.url, &["-t", "demo.decimal", "-s", "1kB"], env);
+    send(&l.url, &["-t", "demo.k", "-s", "4k"], env);
+    let out = l.finish();
+
+    assert_eq!(out.stdout.len(), 9, "{:#?}", out.stdout);
+    let small = lines_of_type(&out.stdout, "demo.small");
+    assert_eq!(small.len(), 3);
+    for line in small {
+        check_line(line, "demo.small", &small_meta, &pattern(1024));
+    }
+    let big = lines_of_type(&out.stdout, "demo.big");
+    assert_eq!(big.len(), 2);
+    for line in big {
+        check_line(line, "demo.big", &[], &pattern(4 << 20));
+    }
+    let empty = lines_of_type(&out.stdout, "demo.empty");
+    assert_eq!(empty.len(), 1);
+    check_line(empty[0], "demo.empty", &[("k", "v")], b"");
+    let none = lines_of_type(&out.stdout, "demo.none");
+    assert_eq!(none.len(), 1);
+    check_line(none[0], "demo.none", &[], b"");
+    let decimal = lines_of_type(&out.stdout, "demo.decimal");
+    assert_eq!(decimal.len(), 1);
+    check_line(decimal[0], "demo.decimal", &[], &pattern(1000));
+    let k = lines_of_type(&out.stdout, "demo.k");
+    assert_eq!(k.len(), 1);
+    check_line(k[0], "demo.k", &[], &pattern(4096));
+    assert!(out.hf_stderr().is_empty(), "{:#?}", out.stderr);
+}
+
+#[test]
+fn round_trip_with_meta_and_sizes() {
+    round_trip(&[]);
+}
+
+#[test]
+fn round_trip_on_epoll() {
+    round_trip(&[("HYPERFRAMES_IO", "epoll")]);
+}
+
+#[test]
+fn body_from_file_and_stdin() {
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("hf-cli-body-{}.bin", std::process::id()));
+    // Not the --size pattern: a simple LCG.
+    let mut x = 12345u32;
+    let data: Vec<u8> = (0..100_000)
+        .map(|_| {
+            x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+            (x >> 16) as u8
+        })
+        .collect();
+    std::fs::write(&path, &data).unwrap();
+
+    let l = listen(&["--count", "3"], &[]);
+    send(
+        &l.url,
+        &[
+            "--type",
+            "demo.file",
+            "--file",
+            path.to_str().unwrap(),
+            "--count",
+            "2",
+        ],
+        &[],
+    );
+    let out = run_with(
+        hf().args(["send", &l.url, "--type", "demo.stdin", "--file", "-"]),
+        Some(b"from stdin\n"),
+    );
+    assert!(out.status.success(), "{:#?}", out.stderr);
+    let out = l.finish();
+    let _ = std::fs::remove_file(&path);
+
+    let file = lines_of_type(&out.stdout, "demo.file");
+    assert_eq!(file.len(), 2, "{:#?}", out.stdout);
+    for line in file {
+        check_line(line, "demo.file", &[], &data);
+    }
+    let stdin = lines_of_type(&out.stdout, "demo.stdin");
+    assert_eq!(stdin.len(), 1, "{:#?}", out.stdout);
+    check_line(stdin[0], "demo.stdin", &[], b"from stdin\n");
+}
+
+#[test]
+fn echo_to_a_library_client() {
+    let l = listen(&["--echo", "--count", "3"], &[]);
+    let sent = vec![
+        Message::new("demo.echo.one")
+            .unwrap()
+            .with_meta("seq", "1")
+            .unwrap()
+            .with_meta("a", "b")
+            .unwrap()
+            .with_body(&b"hello"[..]),
+        Message::new("demo.echo.two").unwrap(),
+        Message::new("demo.echo.three")
+            .unwrap()
+            .with_meta("seq", "3")
+            .unwrap()
+            .with_body(pattern(1 << 20)),
+    ];
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let echoed = rt.block_on(async {
+        tokio::time::timeout(GUARD, async {
+            let ctx = Context::new();
+            let mut ch = ctx.connect(&l.url).await.expect("connect");
+            for msg in &sent {
+                ch.send(msg.clone()).await.expect("send");
+            }
+            ch.flush().await.expect("flush");
+            let mut echoed = Vec::new();
+            for _ in 0..sent.len() {
+                echoed.push(ch.recv().await.expect("an echo").expect("no error"));
+            }
+            let _ = ch.close().await;
+            echoed
+        })
+        .await
+        .expect("echoes within the guard")
+    });
+    assert_eq!(echoed, sent);
+
+    let out = l.finish();
+    assert_eq!(out.stdout.len(), 3, "{:#?}", out.stdout);
+    check_line(
+        &out.stdout[0],
+        "demo.echo.one",
+        &[("seq", "1"), ("a", "b")],
+        b"hello",
+    );
+    check_line(&out.stdout[1], "demo.echo.two", &[], b"");
+    check_line(
+        &out.stdout[2],
+        "demo.echo.three",
+        &[("seq", "3")],
+        &pattern(1 << 20),
+    );
+}
+
+/// `hf send` reads what an echoing peer sends back, so a long run neither stalls on full
+/// queues nor gets reset; and it exits once the listener closes its side (the linger is far
+/// longer than the guard, so an exit proves the close was seen).
+#[test]
+fn send_to_an_echoing_listener_finishes() {
+    let l = listen(&["--echo"], &[]);
+    send(
+        &l.url,
+        &[
+            "--type",
+            "demo.flood",
+            "--size",
+            "64k",
+            "--count",
+            "500",
+            "--linger",
+            "600",
+        ],
+        &[],
+    );
+    for _ in 0..500 {
+        let line = l.next_stdout_line();
+        assert!(line.starts_with("{\"type\":\"demo.flood\""), "{line}");
+    }
+    // Ctrl-C ends a listener without --count, successfully.
+    let status = Command::new("kill")
+        .args(["-INT", &l.proc.child.id().to_string()])
+        .status()
+        .expect("kill -INT");
+    assert!(status.success());
+    let out = l.finish();
+    assert!(out.stdout.is_empty(), "{:#?}", out.stdout);
+    assert!(out.hf_stderr().is_empty(), "{:#?}", out.stderr);
+}
+
+#[test]
+fn count_spans_connections() {
+    let l = listen(&["--count", "4"], &[]);
+    let a = {
+        let url = l.url.clone();
+        thread::spawn(move || send(&url, &["-t", "demo.a", "-n", "2", "-s", "10"], &[]))
+    };
+    let b = {
+        let url = l.url.clone();
+        thread::spawn(move || send(&url, &["-t", "demo.b", "-n", "2", "-s", "20"], &[]))
+    };
+    a.join().unwrap();
+    b.join().unwrap();
+    let out = l.finish();
+    assert_eq!(out.stdout.len(), 4, "{:#?}", out.stdout);
+    for line in lines_of_type(&out.stdout, "demo.a") {
+        check_line(line, "demo.a", &[], &pattern(10));
+    }
+    for line in lines_of_type(&out.stdout, "demo.b") {
+        check_line(line, "demo.b", &[], &pattern(20));
+    }
+    assert_eq!(lines_of_type(&out.stdout, "demo.a").len(), 2);
+}
+
+/// A peer that dies in the middle of a message is reported on stderr, and the listener goes
+/// on with the next connection.
+#[test]
+fn dead_peer_is_reported_and_listening_goes_on() {
+    let mut l = listen(&["--count", "1"], &[]);
+    let addr = l.url.strip_prefix("tcp://").unwrap().to_owned();
+    {
+        let mut raw = TcpStream::connect(&addr).unwrap();
+        raw.set_read_timeout(Some(GUARD)).unwrap();
+        let mut hs = Vec::new();
+        Handshake::new(Limits::default()).encode(&mut hs);
+        raw.write_all(&hs).unwrap();
+        let mut theirs = [0u8; HANDSHAKE_LEN];
+        raw.read_exact(&mut theirs).unwrap();
+        assert_eq!(&theirs[..8], b"HYPERFRM");
+        let mut batch = Batch::default();
+        batch.push_message(Message::new("demo.cut").unwrap().with_body(pattern(10_000)));
+        let frame: Vec<u8> = batch.take().iter().flat_map(|c| c.to_vec()).collect();
+        raw.write_all(&frame[..frame.len() - 100]).unwrap();
+        // Dropped here, without CLOSE, mid-frame.
+    }
+    let line = l.next_stderr_line();
+    assert!(
+        line.starts_with(&format!("hf: connection from tcp://{}", "127.0.0.1:")),
+        "{line}"
+    );
+    assert!(line.contains("connection lost"), "{line}");
+
+    send(&l.url, &["-t", "demo.after"], &[]);
+    let out = l.finish();
+    assert_eq!(out.stdout.len(), 1, "{:#?}", out.stdout);
+    check_line(&out.stdout[0], "demo.after", &[], b"");
+}
+
+#[test]
+fn listener_limits_are_respected() {
+    let l = listen(&["--count", "1", "--max-body", "1KiB"], &[]);
+    let out = run(&["send", &l.url, "-t", "demo.big", "-s", "1025"]);
+    assert_eq!(out.status.code(), Some(1), "{:#?}", out.stderr);
+    let err = one_error_line(&out);
+    assert!(err.contains("max_body"), "{err}");
+    send(&l.url, &["-t", "demo.fits", "-s", "1KiB"], &[]);
+    let out = l.finish();
+    assert_eq!(out.stdout.len(), 1);
+    check_line(&out.stdout[0], "demo.fits", &[], &pattern(1024));
+}
+
+/// The single `hf: error: …` line of a failed run (log lines aside).
+fn one_error_line(out: &Finished) -> String {
+    let lines = out.hf_stderr();
+    assert_eq!(lines.len(), 1, "one line on stderr: {:#?}", out.stderr);
+    assert!(lines[0].starts_with("hf: error: "), "{}", lines[0]);
+    assert!(out.stdout.is_empty(), "{:#?}", out.stdout);
+    lines[0].to_owned()
+}
+
+#[test]
+fn connection_refused() {
+    let out = run(&["send", "tcp://127.0.0.1:1", "--type", "a.b"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = one_error_line(&out);
+    assert!(err.contains("connection refused"), "{err}");
+    assert!(err.contains("tcp://127.0.0.1:1"), "{err}");
+}
+
+#[test]
+fn bad_urls() {
+    for args in [
+        &["send", "nonsense", "--type", "a.b"][..],
+        &["send", "udp://host:1", "--type", "a.b"],
+        &["send", "tcp://127.0.0.1", "--type", "a.b"],
+        &["listen", "tcp://127.0.0.1:99999"],
+        &["listen", "http://127.0.0.1:80"],
+    ] {
+        let out = run(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {:#?}", out.stderr);
+        let err = one_error_line(&out);
+        assert!(err.contains("URL"), "{args:?}: {err}");
+        assert!(err.contains(args[1]), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn bad_type() {
+    for kind in ["bad type", "", "a..b", "trailing."] {
+        let out = run(&["send", "tcp://127.0.0.1:1", "--type", kind]);
+        assert_eq!(out.status.code(), Some(2), "{kind:?}: {:#?}", out.stderr);
+        let err = one_error_line(&out);
+        assert!(err.contains(&format!("--type {kind:?}")), "{err}");
+        assert!(err.contains("message type"), "{err}");
+    }
+}
+
+#[test]
+fn bad_meta() {
+    for (meta, needle) in [
+        ("novalue", "KEY=VALUE"),
+        ("bad key=v", "metadata key"),
+        ("=v", "metadata key is empty"),
+    ] {
+        let out = run(&["send", "tcp://127.0.0.1:1", "--type", "a.b", "--meta", meta]);
+        assert_eq!(out.status.code(), Some(2), "{meta:?}: {:#?}", out.stderr);
+        let err = one_error_line(&out);
+        assert!(err.contains(&format!("--meta {meta:?}")), "{err}");
+        assert!(err.contains(needle), "{err}");
+    }
+}
+
+#[test]
+fn bad_size() {
+    for size in ["4X", "1.5M", "-1", "lots"] {
+        let out = run(&[
+            "send",
+            "tcp://127.0.0.1:1",
+            "-t",
+            "a.b",
+            &format!("--size={size}"),
+        ]);
+        assert_eq!(out.status.code(), Some(2), "{size:?}: {:#?}", out.stderr);
+        let err = one_error_line(&out);
+        assert!(err.contains("--size"), "{err}");
+    }
+}
+
+#[test]
+fn unreadable_file() {
+    let path = "/nonexistent/hf-cli-test/body.bin";
+    let out = run(&["send", "tcp://127.0.0.1:1", "--type", "a.b", "--file", path]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = one_error_line(&out);
+    assert!(err.contains(path), "{err}");
+    assert!(err.contains("cannot read"), "{err}");
+}
+
+#[test]
+fn usage_and_help() {
+    // clap's usage errors: status 2.
+    for args in [
+        &[][..],
+        &["send", "tcp://127.0.0.1:1"],
+        &[
+            "send",
+            "tcp://127.0.0.1:1",
+            "-t",
+            "a",
+            "--size",
+            "1",
+            "--file",
+            "x",
+        ],
+        &["listen"],
+        &["frobnicate"],
+    ] {
+        let out = run(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {:#?}", out.stderr);
+    }
+    for (args, needles) in [
+        (&["--help"][..], &["listen", "send", "HYPERFRAMES_IO"][..]),
+        (
+            &["listen", "--help"],
+            &["--count", "--echo", "listening on", "sha256"],
+        ),
+        (
+            &["send", "--help"],
+            &["--type", "--meta", "--size", "--file", "KiB", "kB"],
+        ),
+    ] {
+        let out = run(args);
+        assert!(out.status.success(), "{args:?}");
+        let text = out.stdout.join("\n");
+        for needle in needles {
+            assert!(text.contains(needle), "{args:?} lacks {needle}: {text}");
+        }
+    }
+}
