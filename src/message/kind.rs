@@ -4,7 +4,7 @@ use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::str::FromStr;
 
-use bytes::Bytes;
+use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind};
 
@@ -15,10 +15,23 @@ use crate::error::{Error, ErrorKind};
 /// side routes on is `module.sub.event`; patterns such as `ml.splitter.*` match on whole
 /// segments.
 ///
-/// A `MsgType` is cheap to clone: it is a [`Bytes`], so a `&'static str` costs no allocation
-/// and a type decoded off the wire is shared with the previous message of the same type.
+/// A `MsgType` is cheap to clone and touches no shared counter: a name of up to
+/// [`MsgType::INLINE_LEN`] bytes is stored inline, a `&'static str` is borrowed, and only a
+/// longer name is a reference-counted allocation. (A per-message reference count shared by
+/// the thread that sends and the I/O thread that drops costs a cache-line transfer per
+/// message.)
 #[derive(Clone)]
-pub struct MsgType(Bytes);
+pub struct MsgType(Repr);
+
+#[derive(Clone)]
+enum Repr {
+    Static(&'static str),
+    Inline {
+        len: u8,
+        buf: [u8; MsgType::INLINE_LEN],
+    },
+    Shared(Arc<str>),
+}
 
 /// Why a string is not a valid [`MsgType`].
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -99,11 +112,31 @@ impl MsgType {
     /// The longest type name, in bytes. The wire format stores the length in one byte.
     pub const MAX_LEN: usize = 255;
 
+    /// Names up to this long are stored inline.
+    pub const INLINE_LEN: usize = 30;
+
     /// Validates `name` and makes a type of it.
     pub fn new(name: impl AsRef<str>) -> Result<MsgType, InvalidType> {
         let name = name.as_ref();
         validate(name.as_bytes())?;
-        Ok(MsgType(Bytes::copy_from_slice(name.as_bytes())))
+        Ok(MsgType::from_valid(name.as_bytes()))
+    }
+
+    /// A type from bytes that passed `validate`.
+    fn from_valid(name: &[u8]) -> MsgType {
+        if name.len() <= MsgType::INLINE_LEN {
+            let mut buf = [0u8; MsgType::INLINE_LEN];
+            buf[..name.len()].copy_from_slice(name);
+            MsgType(Repr::Inline {
+                len: name.len() as u8,
+                buf,
+            })
+        } else {
+            // `validate` admits ASCII only.
+            MsgType(Repr::Shared(Arc::from(
+                String::from_utf8_lossy(name).as_ref(),
+            )))
+        }
     }
 
     /// A type from a string literal, without allocation.
@@ -112,27 +145,35 @@ impl MsgType {
     /// If `name` is not a valid type; in a `const` context this is a compile error.
     pub const fn from_static(name: &'static str) -> MsgType {
         match validate(name.as_bytes()) {
-            Ok(()) => MsgType(Bytes::from_static(name.as_bytes())),
+            Ok(()) => MsgType(Repr::Static(name)),
             Err(_) => panic!("invalid message type in MsgType::from_static"),
         }
     }
 
-    /// A type from bytes that may share a larger buffer (a received frame).
-    pub(crate) fn from_bytes(bytes: Bytes) -> Result<MsgType, InvalidType> {
-        validate(&bytes)?;
-        Ok(MsgType(bytes))
+    /// A type from received bytes.
+    pub(crate) fn from_wire(bytes: &[u8]) -> Result<MsgType, InvalidType> {
+        validate(bytes)?;
+        Ok(MsgType::from_valid(bytes))
     }
 
     /// The name.
     pub fn as_str(&self) -> &str {
-        // SAFETY: every constructor runs `validate`, which admits only the ASCII bytes
-        // `A-Z a-z 0-9 _ - .`; ASCII is valid UTF-8, and `Bytes` is immutable.
-        unsafe { std::str::from_utf8_unchecked(&self.0) }
+        match &self.0 {
+            Repr::Static(s) => s,
+            Repr::Shared(s) => s,
+            Repr::Inline { len, buf } => {
+                let bytes = &buf[..*len as usize];
+                // SAFETY: `Inline` is built only by `from_valid` from bytes that passed
+                // `validate`, which admits only the ASCII bytes `A-Z a-z 0-9 _ - .`; ASCII is
+                // valid UTF-8, and the buffer is never written afterwards.
+                unsafe { std::str::from_utf8_unchecked(bytes) }
+            }
+        }
     }
 
     /// The name as bytes (what goes on the wire).
     pub fn as_bytes(&self) -> &[u8] {
-        &self.0
+        self.as_str().as_bytes()
     }
 
     /// The segments between the dots: `ml.splitter.output` gives `ml`, `splitter`, `output`.
@@ -143,13 +184,13 @@ impl MsgType {
     /// The length of the name in bytes.
     #[allow(clippy::len_without_is_empty)] // never empty
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.as_bytes().len()
     }
 }
 
 impl PartialEq for MsgType {
     fn eq(&self, other: &Self) -> bool {
-        self.0 == other.0
+        self.as_bytes() == other.as_bytes()
     }
 }
 impl Eq for MsgType {}
@@ -217,8 +258,7 @@ impl TryFrom<&str> for MsgType {
 impl TryFrom<String> for MsgType {
     type Error = InvalidType;
     fn try_from(s: String) -> Result<Self, Self::Error> {
-        validate(s.as_bytes())?;
-        Ok(MsgType(Bytes::from(s)))
+        MsgType::new(s)
     }
 }
 

@@ -158,9 +158,21 @@ impl Meta {
     /// Validates a received encoding and keeps it as is (zero-copy).
     ///
     /// `max_entries` is checked from the count field before the entries are walked.
+    #[cfg(test)]
     pub(crate) fn from_wire(raw: Bytes, max_entries: usize) -> Result<Meta, InvalidMeta> {
+        Meta::validate_wire(&raw, max_entries)?;
+        Ok(Meta::from_valid_wire(raw))
+    }
+
+    /// Keeps an encoding that passed [`validate_wire`](Self::validate_wire).
+    pub(crate) fn from_valid_wire(raw: Bytes) -> Meta {
+        Meta { raw }
+    }
+
+    /// Checks a received encoding without keeping it.
+    pub(crate) fn validate_wire(raw: &[u8], max_entries: usize) -> Result<(), InvalidMeta> {
         if raw.is_empty() {
-            return Ok(Meta::new());
+            return Ok(());
         }
         let (count, mut rest) = raw
             .split_at_checked(2)
@@ -201,7 +213,7 @@ impl Meta {
         if !rest.is_empty() {
             return Err(InvalidMeta::Malformed("bytes left after the last entry"));
         }
-        Ok(Meta { raw })
+        Ok(())
     }
 
     /// The canonical encoding, as it goes on the wire.

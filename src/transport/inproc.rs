@@ -10,7 +10,7 @@ use std::task::{Context, Poll};
 
 use tokio::sync::mpsc;
 
-use super::pipe::Pipe;
+use super::pipe::{Pipe, Stager, Unbatcher};
 use super::{AcceptHalf, Config, Parts, RecvHalf, SendHalf};
 use crate::error::Result;
 use crate::{Error, ErrorKind, Message};
@@ -78,8 +78,8 @@ pub(crate) async fn connect(reg: &Arc<Registry>, name: &str) -> Result<Parts> {
     };
     let cfg = &reg.cfg;
     let id = reg.next_id.fetch_add(1, Ordering::Relaxed);
-    let up = Arc::new(Pipe::new(cfg.send_queue, cfg.send_queue_bytes));
-    let down = Arc::new(Pipe::new(cfg.recv_queue, cfg.recv_queue_bytes));
+    let up = Pipe::new(cfg.send_queue, cfg.send_queue_bytes);
+    let down = Pipe::new(cfg.recv_queue, cfg.recv_queue_bytes);
     let peer_name = format!("inproc://{name}#{id}");
     let server = parts(&down, &up, cfg, url.clone(), peer_name.clone());
     let client = parts(&up, &down, cfg, peer_name, url);
@@ -91,10 +91,12 @@ pub(crate) async fn connect(reg: &Arc<Registry>, name: &str) -> Result<Parts> {
 fn parts(out: &Arc<Pipe>, inp: &Arc<Pipe>, cfg: &Config, local: String, peer: String) -> Parts {
     Parts {
         tx: Box::new(InprocSender {
-            pipe: out.clone(),
+            out: Stager::new(out.clone()),
             closed: false,
         }),
-        rx: Box::new(InprocReceiver { pipe: inp.clone() }),
+        rx: Box::new(InprocReceiver {
+            inp: Unbatcher::new(inp.clone()),
+        }),
         transport: "inproc",
         local,
         peer,
@@ -136,7 +138,7 @@ impl Drop for InprocAccept {
 }
 
 struct InprocSender {
-    pipe: Arc<Pipe>,
+    out: Stager,
     closed: bool,
 }
 
@@ -152,65 +154,58 @@ impl SendHalf for InprocSender {
         if self.closed {
             return Poll::Ready(Err(Error::new(ErrorKind::Closed, "sender closed")));
         }
-        if self.pipe.is_rx_closed() {
+        if self.out.pipe().is_rx_closed() {
             return Poll::Ready(Err(peer_gone()));
         }
-        match self.pipe.poll_room(cx) {
-            Poll::Ready(()) if self.pipe.is_rx_closed() => Poll::Ready(Err(peer_gone())),
+        match self.out.poll_ready(cx) {
+            Poll::Ready(()) if self.out.pipe().is_rx_closed() => Poll::Ready(Err(peer_gone())),
             Poll::Ready(()) => Poll::Ready(Ok(())),
             Poll::Pending => Poll::Pending,
         }
     }
 
     fn start_send(&mut self, msg: Message) -> Result<()> {
-        self.pipe.push(msg).map_err(|m| {
-            Error::new(
-                ErrorKind::Closed,
-                "start_send without poll_ready on a full channel",
-            )
-            .with_message(m)
-        })
+        self.out.stage(msg);
+        Ok(())
     }
 
-    /// A pushed message is in the peer's queue already.
+    fn submit(&mut self) {
+        self.out.submit();
+    }
+
+    /// A handed-over message is in the peer's queue already.
     fn poll_flush(&mut self, _cx: &mut Context<'_>) -> Poll<Result<()>> {
+        self.out.submit();
         Poll::Ready(Ok(()))
     }
 
     fn poll_close(&mut self, _cx: &mut Context<'_>) -> Poll<Result<()>> {
         if !self.closed {
             self.closed = true;
-            self.pipe.close_tx();
+            self.out.close();
         }
         Poll::Ready(Ok(()))
     }
 }
 
-impl Drop for InprocSender {
-    fn drop(&mut self) {
-        self.pipe.close_tx();
-    }
-}
-
 struct InprocReceiver {
-    pipe: Arc<Pipe>,
+    inp: Unbatcher,
 }
 
 impl RecvHalf for InprocReceiver {
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message>>> {
-        self.pipe.poll_pop(cx).map(|m| m.map(Ok))
+        self.inp.poll_next(cx).map(|m| m.map(Ok))
     }
 }
 
 impl Drop for InprocReceiver {
     fn drop(&mut self) {
-        let left = self.pipe.len();
+        let left = self.inp.pipe().len() + self.inp.buffered() as u64;
         if left > 0 {
             tracing::debug!(
                 messages = left,
                 "inproc receiver dropped with messages queued"
             );
         }
-        self.pipe.close_rx();
     }
 }

@@ -101,10 +101,13 @@ impl Default for Config {
 }
 
 /// The sending direction of one connection, as a transport implements it. Contract as
-/// `futures_sink::Sink`: `start_send` only after `poll_ready` returned `Ready(Ok)`.
+/// `futures_sink::Sink`: `start_send` only after `poll_ready` returned `Ready(Ok)`; it may
+/// stage the message, which `submit` (or `poll_flush`) hands to the transport.
 pub(crate) trait SendHalf: Send + Sync + 'static {
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>>;
     fn start_send(&mut self, msg: Message) -> Result<()>;
+    /// Hands staged messages to the transport now, without waiting.
+    fn submit(&mut self);
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>>;
     fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>>;
 }

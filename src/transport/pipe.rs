@@ -1,159 +1,450 @@
-//! A bounded single-producer single-consumer queue of messages with wakers on both ends.
+//! A bounded single-producer single-consumer hand-off of messages between two threads, with
+//! wake-ups, built for message rate.
 //!
-//! It is the hand-off between a user half and the task that does its I/O (or, for inproc,
-//! between the two user halves). Bounded twice: by messages and by body bytes queued, so
-//! neither a fast sender nor a flood of large received bodies grows memory without limit.
-//! One message is always admitted into an empty pipe, however large.
+//! It connects a user half to the task doing its I/O (or, for inproc, two user halves). The
+//! costs that dominate small-message rate between two cores are cache lines that both sides
+//! write, so:
 //!
-//! Wake protocol (no lost wake-ups): a side that finds nothing to do registers its waker and
-//! then checks again; the other side changes the state and then wakes. The queue itself is
-//! crossbeam's `ArrayQueue` (Vyukov's bounded queue), whose push/pop are release/acquire
-//! synchronisation points, so a message pushed before a wake is visible after it.
+//! * **Batches.** An item is one message or a `Vec` of them: a sender hands over what
+//!   `Sink::start_send` staged in one step, the I/O thread hands over everything it decoded
+//!   from one read in one step. The per-item costs (a queue slot, a wake-up check) are paid
+//!   per batch.
+//! * **Counters owned by one side.** Messages and body bytes pushed are written only by the
+//!   producer, those popped only by the consumer, each on its own cache line; the producer
+//!   keeps a cached copy of the consumer's counters and rereads them only when its copy says
+//!   the pipe is full (the technique of Aeron's and LMAX's position counters).
+//! * **Wake only a side that sleeps.** A side about to sleep raises a flag; the other side
+//!   checks the flag (a plain load) after each change and wakes only when it is raised.
+//!
+//! Bounded by messages and by body bytes. One batch is always admitted into an empty pipe,
+//! however large, and a producer that found room may push one batch past the bounds (a
+//! batch is at most what one read or one `Sink` staging holds).
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
 use std::task::{Context, Poll};
 
 use crossbeam_queue::ArrayQueue;
+use crossbeam_utils::CachePadded;
 use futures_util::task::AtomicWaker;
 
 use crate::Message;
 
+/// What travels through a pipe: one message, or a batch (never empty).
+#[derive(Debug)]
+pub(crate) enum Item {
+    One(Message),
+    Many(Vec<Message>),
+}
+
+impl Item {
+    fn counts(&self) -> (u64, u64) {
+        match self {
+            Item::One(m) => (1, m.body().len() as u64),
+            Item::Many(v) => (
+                v.len() as u64,
+                v.iter().map(|m| m.body().len() as u64).sum(),
+            ),
+        }
+    }
+}
+
+/// A waker with a "sleeping" flag, so that notifying a side that is busy costs a load.
+///
+/// Protocol (Dekker's, with two `SeqCst` fences): the waiter registers its waker, raises the
+/// flag, fences, then re-checks its condition before returning `Pending`; the notifier makes
+/// the condition true, fences, then reads the flag. Of the two fenced store→load sequences at
+/// least one sees the other's store, so either the waiter sees the change or the notifier
+/// sees the flag: no wake-up is lost.
+pub(crate) struct Signal {
+    sleeping: AtomicBool,
+    waker: AtomicWaker,
+}
+
+impl Signal {
+    fn new() -> Signal {
+        Signal {
+            sleeping: AtomicBool::new(false),
+            waker: AtomicWaker::new(),
+        }
+    }
+
+    /// Waiter: announce sleep. Re-check the condition afterwards.
+    pub(crate) fn arm(&self, cx: &mut Context<'_>) {
+        self.waker.register(cx.waker());
+        self.sleeping.store(true, Ordering::Relaxed);
+        // SYNC POINT with the fence in `notify`: orders the flag store before the re-check.
+        fence(Ordering::SeqCst);
+    }
+
+    /// Waiter: the re-check succeeded, no need to be woken.
+    pub(crate) fn disarm(&self) {
+        self.sleeping.store(false, Ordering::Relaxed);
+    }
+
+    /// Notifier: after changing the state the waiter waits on.
+    pub(crate) fn notify(&self) {
+        // SYNC POINT with the fence in `arm`: orders the state change before the flag load.
+        fence(Ordering::SeqCst);
+        if self.sleeping.load(Ordering::Relaxed) && self.sleeping.swap(false, Ordering::AcqRel) {
+            self.waker.wake();
+        }
+    }
+
+    /// Wakes the waiter whether or not it announced sleep (for rare events: close, failure).
+    pub(crate) fn wake(&self) {
+        self.sleeping.store(false, Ordering::Relaxed);
+        self.waker.wake();
+    }
+}
+
+/// Written by one side only: messages and body bytes it has pushed or popped.
+#[derive(Default)]
+struct Counters {
+    msgs: AtomicU64,
+    bytes: AtomicU64,
+}
+
 pub(crate) struct Pipe {
-    queue: ArrayQueue<Message>,
-    /// Body bytes in `queue`.
-    bytes: AtomicUsize,
-    max_bytes: usize,
-    /// The consumer's waker: items arrived, or the producer closed.
-    rx_waker: AtomicWaker,
-    /// The producer's waker: room freed, the consumer closed, or (for transports that use
-    /// it) progress the producer waits for.
-    tx_waker: AtomicWaker,
+    queue: ArrayQueue<Item>,
+    pushed: CachePadded<Counters>,
+    popped: CachePadded<Counters>,
+    max_msgs: u64,
+    max_bytes: u64,
+    /// The consumer waits on this: items arrived, or the producer closed.
+    pub(crate) to_consumer: Signal,
+    /// The producer waits on this: room freed, the consumer closed, or (for transports that
+    /// use it) progress the producer waits for.
+    pub(crate) to_producer: Signal,
     tx_closed: AtomicBool,
     rx_closed: AtomicBool,
 }
 
 impl Pipe {
-    pub(crate) fn new(capacity: usize, max_bytes: usize) -> Pipe {
-        Pipe {
-            queue: ArrayQueue::new(capacity.max(1)),
-            bytes: AtomicUsize::new(0),
-            max_bytes,
-            rx_waker: AtomicWaker::new(),
-            tx_waker: AtomicWaker::new(),
+    pub(crate) fn new(max_msgs: usize, max_bytes: usize) -> Arc<Pipe> {
+        let max_msgs = max_msgs.max(1);
+        Arc::new(Pipe {
+            // One slot more than the message bound: a producer's staged batch always has one.
+            queue: ArrayQueue::new(max_msgs + 1),
+            pushed: CachePadded::new(Counters::default()),
+            popped: CachePadded::new(Counters::default()),
+            max_msgs: max_msgs as u64,
+            max_bytes: max_bytes as u64,
+            to_consumer: Signal::new(),
+            to_producer: Signal::new(),
             tx_closed: AtomicBool::new(false),
             rx_closed: AtomicBool::new(false),
-        }
-    }
-
-    // ---- producer side ----
-
-    fn has_room(&self) -> bool {
-        let len = self.queue.len();
-        len == 0
-            || (len < self.queue.capacity() && self.bytes.load(Ordering::Acquire) < self.max_bytes)
-    }
-
-    /// Ready when a message may be pushed.
-    pub(crate) fn poll_room(&self, cx: &mut Context<'_>) -> Poll<()> {
-        if self.has_room() {
-            return Poll::Ready(());
-        }
-        self.tx_waker.register(cx.waker());
-        if self.has_room() || self.is_rx_closed() {
-            return Poll::Ready(());
-        }
-        Poll::Pending
-    }
-
-    /// Pushes `msg`; gives it back when the pipe is full (the caller skipped `poll_room`).
-    #[allow(clippy::result_large_err)]
-    pub(crate) fn push(&self, msg: Message) -> Result<(), Message> {
-        let len = msg.body().len();
-        self.bytes.fetch_add(len, Ordering::AcqRel);
-        if let Err(msg) = self.queue.push(msg) {
-            self.bytes.fetch_sub(len, Ordering::AcqRel);
-            return Err(msg);
-        }
-        self.rx_waker.wake();
-        Ok(())
-    }
-
-    /// The producer is done; the consumer drains what is queued, then sees the end.
-    pub(crate) fn close_tx(&self) {
-        // SYNC POINT with the `tx_closed` load in `poll_pop`/`try_closed`: every push before
-        // this store is visible to a consumer that observes `true`.
-        self.tx_closed.store(true, Ordering::Release);
-        self.rx_waker.wake();
+        })
     }
 
     pub(crate) fn is_rx_closed(&self) -> bool {
         self.rx_closed.load(Ordering::Acquire)
     }
 
-    /// Registers the producer's waker (for waits on state other than room).
-    pub(crate) fn register_tx(&self, cx: &mut Context<'_>) {
-        self.tx_waker.register(cx.waker());
-    }
-
-    pub(crate) fn wake_tx(&self) {
-        self.tx_waker.wake();
-    }
-
-    // ---- consumer side ----
-
-    /// Pops one message without waking the producer (batching consumers wake once).
-    pub(crate) fn try_pop_quiet(&self) -> Option<Message> {
-        let msg = self.queue.pop()?;
-        self.bytes.fetch_sub(msg.body().len(), Ordering::AcqRel);
-        Some(msg)
-    }
-
-    /// Next message; `Ready(None)` once the producer closed and the queue is drained.
-    pub(crate) fn poll_pop(&self, cx: &mut Context<'_>) -> Poll<Option<Message>> {
-        if let Some(m) = self.try_pop_quiet() {
-            self.tx_waker.wake();
-            return Poll::Ready(Some(m));
-        }
-        self.rx_waker.register(cx.waker());
-        // SYNC POINT with the `tx_closed` store in `close_tx`: read the flag before the queue.
-        let closed = self.tx_closed.load(Ordering::Acquire);
-        if let Some(m) = self.try_pop_quiet() {
-            self.tx_waker.wake();
-            return Poll::Ready(Some(m));
-        }
-        if closed {
-            return Poll::Ready(None);
-        }
-        Poll::Pending
-    }
-
-    /// True when the producer closed and nothing is left.
-    pub(crate) fn is_drained_and_closed(&self) -> bool {
-        self.tx_closed.load(Ordering::Acquire) && self.queue.is_empty()
+    pub(crate) fn is_tx_closed(&self) -> bool {
+        self.tx_closed.load(Ordering::Acquire)
     }
 
     pub(crate) fn is_empty(&self) -> bool {
         self.queue.is_empty()
     }
 
-    pub(crate) fn len(&self) -> usize {
-        self.queue.len()
+    /// Ends the producing side from anywhere (the producer's owner, or a connection that
+    /// failed): the consumer drains what is queued, then sees the end.
+    pub(crate) fn close_tx(&self) {
+        // SYNC POINT with the `tx_closed` load in `Consumer::poll_pop`: every push before this
+        // store is visible to a consumer that observes `true`.
+        self.tx_closed.store(true, Ordering::Release);
+        self.to_consumer.wake();
     }
 
-    /// Registers the consumer's waker (for waits on state other than items).
-    pub(crate) fn register_rx(&self, cx: &mut Context<'_>) {
-        self.rx_waker.register(cx.waker());
-    }
-
-    pub(crate) fn wake_rx(&self) {
-        self.rx_waker.wake();
-    }
-
-    /// The consumer is gone; the producer's next `poll_room` returns and it should check
+    /// Ends the consuming side: a producer waiting for room is released and should check
     /// [`is_rx_closed`](Self::is_rx_closed).
     pub(crate) fn close_rx(&self) {
         self.rx_closed.store(true, Ordering::Release);
-        self.tx_waker.wake();
+        self.to_producer.wake();
+    }
+
+    /// Messages queued now (approximate while both sides run).
+    pub(crate) fn len(&self) -> u64 {
+        self.pushed.msgs.load(Ordering::Acquire) - self.popped.msgs.load(Ordering::Acquire)
+    }
+}
+
+/// The producing end. Owned by one task.
+pub(crate) struct Producer {
+    pipe: Arc<Pipe>,
+    pushed_msgs: u64,
+    pushed_bytes: u64,
+    /// The consumer's counters as last read.
+    seen_popped_msgs: u64,
+    seen_popped_bytes: u64,
+}
+
+impl Producer {
+    pub(crate) fn new(pipe: Arc<Pipe>) -> Producer {
+        Producer {
+            pipe,
+            pushed_msgs: 0,
+            pushed_bytes: 0,
+            seen_popped_msgs: 0,
+            seen_popped_bytes: 0,
+        }
+    }
+
+    pub(crate) fn pipe(&self) -> &Pipe {
+        &self.pipe
+    }
+
+    fn room_in(&self, popped_msgs: u64, popped_bytes: u64) -> bool {
+        let msgs = self.pushed_msgs - popped_msgs;
+        msgs == 0
+            || (msgs < self.pipe.max_msgs && self.pushed_bytes - popped_bytes < self.pipe.max_bytes)
+    }
+
+    fn refresh(&mut self) -> bool {
+        self.seen_popped_msgs = self.pipe.popped.msgs.load(Ordering::Acquire);
+        self.seen_popped_bytes = self.pipe.popped.bytes.load(Ordering::Acquire);
+        self.room_in(self.seen_popped_msgs, self.seen_popped_bytes)
+    }
+
+    /// True when a batch may be pushed now.
+    pub(crate) fn has_room(&mut self) -> bool {
+        self.room_in(self.seen_popped_msgs, self.seen_popped_bytes) || self.refresh()
+    }
+
+    /// Ready when a batch may be pushed, or when the consumer is gone (check
+    /// [`Pipe::is_rx_closed`]).
+    pub(crate) fn poll_room(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.has_room() || self.pipe.is_rx_closed() {
+            return Poll::Ready(());
+        }
+        self.pipe.to_producer.arm(cx);
+        if self.refresh() || self.pipe.is_rx_closed() {
+            self.pipe.to_producer.disarm();
+            return Poll::Ready(());
+        }
+        Poll::Pending
+    }
+
+    /// Pushes `item`; gives it back when every slot is taken (the caller skipped
+    /// [`poll_room`](Self::poll_room) more than once).
+    #[allow(clippy::result_large_err)]
+    pub(crate) fn push(&mut self, item: Item) -> Result<(), Item> {
+        let (msgs, bytes) = item.counts();
+        self.pipe.queue.push(item)?;
+        self.pushed_msgs += msgs;
+        self.pushed_bytes += bytes;
+        // Only this side writes these; the consumer reads them only for `Pipe::len`.
+        self.pipe
+            .pushed
+            .msgs
+            .store(self.pushed_msgs, Ordering::Release);
+        self.pipe
+            .pushed
+            .bytes
+            .store(self.pushed_bytes, Ordering::Release);
+        self.pipe.to_consumer.notify();
+        Ok(())
+    }
+
+    /// The producer is done; the consumer drains what is queued, then sees the end.
+    pub(crate) fn close(&self) {
+        self.pipe.close_tx();
+    }
+}
+
+/// The consuming end. Owned by one task.
+pub(crate) struct Consumer {
+    pipe: Arc<Pipe>,
+    popped_msgs: u64,
+    popped_bytes: u64,
+}
+
+impl Consumer {
+    pub(crate) fn new(pipe: Arc<Pipe>) -> Consumer {
+        Consumer {
+            pipe,
+            popped_msgs: 0,
+            popped_bytes: 0,
+        }
+    }
+
+    pub(crate) fn pipe(&self) -> &Pipe {
+        &self.pipe
+    }
+
+    /// Pops one item without notifying the producer; call
+    /// [`notify_producer`](Self::notify_producer) after a run of pops.
+    pub(crate) fn pop(&mut self) -> Option<Item> {
+        let item = self.pipe.queue.pop()?;
+        let (msgs, bytes) = item.counts();
+        self.popped_msgs += msgs;
+        self.popped_bytes += bytes;
+        self.pipe
+            .popped
+            .msgs
+            .store(self.popped_msgs, Ordering::Release);
+        self.pipe
+            .popped
+            .bytes
+            .store(self.popped_bytes, Ordering::Release);
+        Some(item)
+    }
+
+    pub(crate) fn notify_producer(&self) {
+        self.pipe.to_producer.notify();
+    }
+
+    /// The next item; `Ready(None)` once the producer closed and the queue is drained.
+    pub(crate) fn poll_pop(&mut self, cx: &mut Context<'_>) -> Poll<Option<Item>> {
+        if let Some(item) = self.pop() {
+            self.notify_producer();
+            return Poll::Ready(Some(item));
+        }
+        self.pipe.to_consumer.arm(cx);
+        // SYNC POINT with the `tx_closed` store in `Producer::close`: read the flag before the
+        // queue, so that a close seen here comes after every push it follows.
+        let closed = self.pipe.is_tx_closed();
+        if let Some(item) = self.pop() {
+            self.pipe.to_consumer.disarm();
+            self.notify_producer();
+            return Poll::Ready(Some(item));
+        }
+        if closed {
+            self.pipe.to_consumer.disarm();
+            return Poll::Ready(None);
+        }
+        Poll::Pending
+    }
+
+    /// The consumer is gone; a producer waiting for room is released and should check
+    /// [`Pipe::is_rx_closed`].
+    pub(crate) fn close(&self) {
+        self.pipe.close_rx();
+    }
+}
+
+/// A producer that stages messages and hands them over in batches, for `Sink` senders.
+///
+/// `Sink::start_send` may buffer until `poll_flush` (the `Sink` contract); staging up to
+/// [`Self::MAX_MSGS`] messages or [`Self::MAX_BYTES`] body bytes turns a run of small sends
+/// into one hand-off. A staged batch always owns a queue slot (reserved by `poll_ready`), so
+/// handing it over never fails — not even on drop.
+pub(crate) struct Stager {
+    producer: Producer,
+    staged: Vec<Message>,
+    staged_bytes: usize,
+}
+
+impl Stager {
+    pub(crate) const MAX_MSGS: usize = 64;
+    pub(crate) const MAX_BYTES: usize = 256 << 10;
+
+    pub(crate) fn new(pipe: Arc<Pipe>) -> Stager {
+        Stager {
+            producer: Producer::new(pipe),
+            staged: Vec::new(),
+            staged_bytes: 0,
+        }
+    }
+
+    pub(crate) fn pipe(&self) -> &Pipe {
+        self.producer.pipe()
+    }
+
+    /// Ready when one more message may be staged (or the consumer is gone: check
+    /// [`Pipe::is_rx_closed`]).
+    pub(crate) fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.staged.len() >= Self::MAX_MSGS || self.staged_bytes >= Self::MAX_BYTES {
+            self.submit();
+        }
+        if !self.staged.is_empty() {
+            return Poll::Ready(()); // the staged batch holds a slot already
+        }
+        self.producer.poll_room(cx)
+    }
+
+    /// Stages `msg`. Only after `poll_ready` returned `Ready`.
+    pub(crate) fn stage(&mut self, msg: Message) {
+        self.staged_bytes += msg.body().len();
+        self.staged.push(msg);
+    }
+
+    /// Hands the staged messages over.
+    pub(crate) fn submit(&mut self) {
+        let item = match self.staged.len() {
+            0 => return,
+            1 => Item::One(self.staged.pop().expect("one staged message")),
+            _ => Item::Many(std::mem::take(&mut self.staged)),
+        };
+        self.staged_bytes = 0;
+        // The slot was reserved by `poll_ready`: with at most `max_msgs` messages queued there
+        // are at most `max_msgs` items, and the queue has `max_msgs + 1` slots.
+        if self.producer.push(item).is_err() {
+            debug_assert!(false, "a staged batch found no slot");
+        }
+    }
+
+    pub(crate) fn close(&mut self) {
+        self.submit();
+        self.producer.close();
+    }
+}
+
+impl Drop for Stager {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// A consumer that takes batches and hands out messages one by one, for receivers.
+pub(crate) struct Unbatcher {
+    consumer: Consumer,
+    current: std::vec::IntoIter<Message>,
+}
+
+impl Unbatcher {
+    pub(crate) fn new(pipe: Arc<Pipe>) -> Unbatcher {
+        Unbatcher {
+            consumer: Consumer::new(pipe),
+            current: Vec::new().into_iter(),
+        }
+    }
+
+    pub(crate) fn pipe(&self) -> &Pipe {
+        self.consumer.pipe()
+    }
+
+    /// The next message; `Ready(None)` once the producer closed and everything was taken.
+    pub(crate) fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Message>> {
+        if let Some(m) = self.current.next() {
+            return Poll::Ready(Some(m));
+        }
+        match self.consumer.poll_pop(cx) {
+            Poll::Ready(Some(Item::One(m))) => Poll::Ready(Some(m)),
+            Poll::Ready(Some(Item::Many(v))) => {
+                self.current = v.into_iter();
+                Poll::Ready(self.current.next())
+            }
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    /// Messages taken from the pipe and not handed out yet.
+    pub(crate) fn buffered(&self) -> usize {
+        self.current.len()
+    }
+
+    pub(crate) fn close(&self) {
+        self.consumer.close();
+    }
+}
+
+impl Drop for Unbatcher {
+    fn drop(&mut self) {
+        self.close();
     }
 }
 
@@ -169,32 +460,123 @@ mod tests {
             .with_body(Bytes::from(vec![0u8; n]))
     }
 
-    #[test]
-    fn bounded_by_count_and_bytes_but_admits_one_large() {
-        let mut cx = Context::from_waker(noop_waker_ref());
-        let p = Pipe::new(2, 100);
-        assert!(p.poll_room(&mut cx).is_ready());
-        p.push(msg(1000)).unwrap(); // larger than max_bytes, admitted into an empty pipe
-        assert!(p.poll_room(&mut cx).is_pending());
-        assert!(matches!(p.poll_pop(&mut cx), Poll::Ready(Some(_))));
-        p.push(msg(10)).unwrap();
-        p.push(msg(10)).unwrap();
-        assert!(p.poll_room(&mut cx).is_pending(), "count bound");
-        assert!(p.push(msg(1)).is_err());
-        p.close_tx();
-        assert!(matches!(p.poll_pop(&mut cx), Poll::Ready(Some(_))));
-        assert!(matches!(p.poll_pop(&mut cx), Poll::Ready(Some(_))));
-        assert!(matches!(p.poll_pop(&mut cx), Poll::Ready(None)));
+    fn cx() -> Context<'static> {
+        Context::from_waker(noop_waker_ref())
     }
 
     #[test]
-    fn rx_close_releases_a_waiting_producer() {
-        let mut cx = Context::from_waker(noop_waker_ref());
-        let p = Pipe::new(1, 100);
-        p.push(msg(1)).unwrap();
-        assert!(p.poll_room(&mut cx).is_pending());
-        p.close_rx();
-        assert!(p.poll_room(&mut cx).is_ready());
-        assert!(p.is_rx_closed());
+    fn bounded_by_count_and_bytes_but_admits_one_large() {
+        let pipe = Pipe::new(2, 100);
+        let mut p = Producer::new(pipe.clone());
+        let mut c = Consumer::new(pipe.clone());
+        assert!(p.poll_room(&mut cx()).is_ready());
+        p.push(Item::One(msg(1000))).unwrap(); // larger than max_bytes, into an empty pipe
+        assert!(p.poll_room(&mut cx()).is_pending());
+        assert!(matches!(c.poll_pop(&mut cx()), Poll::Ready(Some(_))));
+        assert!(p.poll_room(&mut cx()).is_ready());
+        p.push(Item::Many(vec![msg(10), msg(10)])).unwrap();
+        assert!(p.poll_room(&mut cx()).is_pending(), "count bound");
+        p.close();
+        assert!(matches!(c.poll_pop(&mut cx()), Poll::Ready(Some(Item::Many(v))) if v.len() == 2));
+        assert!(matches!(c.poll_pop(&mut cx()), Poll::Ready(None)));
+    }
+
+    #[test]
+    fn consumer_close_releases_a_waiting_producer() {
+        let pipe = Pipe::new(1, 100);
+        let mut p = Producer::new(pipe.clone());
+        let c = Consumer::new(pipe.clone());
+        p.push(Item::One(msg(1))).unwrap();
+        assert!(p.poll_room(&mut cx()).is_pending());
+        c.close();
+        assert!(p.poll_room(&mut cx()).is_ready());
+        assert!(pipe.is_rx_closed());
+    }
+
+    #[test]
+    fn stager_batches_and_never_loses_a_staged_batch() {
+        let pipe = Pipe::new(4, 1 << 20);
+        let mut s = Stager::new(pipe.clone());
+        let mut u = Unbatcher::new(pipe.clone());
+        let mut sent = 0;
+        // Fill until the stager blocks: staged batches keep their slot.
+        while s.poll_ready(&mut cx()).is_ready() {
+            s.stage(msg(sent));
+            sent += 1;
+            assert!(sent < 1000);
+        }
+        drop(s); // hands over the last staged batch and closes
+        let mut got = 0;
+        while let Poll::Ready(Some(m)) = u.poll_next(&mut cx()) {
+            assert_eq!(m.body().len(), got);
+            got += 1;
+        }
+        assert_eq!(got, sent);
+    }
+
+    #[test]
+    fn threads_hand_off_everything_in_order() {
+        let pipe = Pipe::new(16, 1 << 20);
+        let mut s = Stager::new(pipe.clone());
+        let mut u = Unbatcher::new(pipe);
+        const N: usize = 200_000;
+        let t = std::thread::spawn(move || {
+            let mut seen = 0usize;
+            futures_executor_block_on(std::future::poll_fn(|cx| {
+                loop {
+                    match u.poll_next(cx) {
+                        Poll::Ready(Some(m)) => {
+                            let i = m.meta().get("i").unwrap().parse::<usize>().unwrap();
+                            assert_eq!(i, seen);
+                            seen += 1;
+                        }
+                        Poll::Ready(None) => return Poll::Ready(seen),
+                        Poll::Pending => return Poll::Pending,
+                    }
+                }
+            }))
+        });
+        let mut i = 0;
+        futures_executor_block_on(std::future::poll_fn(|cx| {
+            while i < N {
+                match s.poll_ready(cx) {
+                    Poll::Ready(()) => {
+                        let m = Message::new("t")
+                            .unwrap()
+                            .with_meta("i", &i.to_string())
+                            .unwrap();
+                        s.stage(m);
+                        if i % 3 == 0 {
+                            s.submit();
+                        }
+                        i += 1;
+                    }
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+            Poll::Ready(())
+        }));
+        drop(s);
+        assert_eq!(t.join().unwrap(), N);
+    }
+
+    /// Polls a future to completion on this thread, parking between polls.
+    fn futures_executor_block_on<F: std::future::Future>(f: F) -> F::Output {
+        use std::task::Wake;
+        struct Unpark(std::thread::Thread);
+        impl Wake for Unpark {
+            fn wake(self: Arc<Self>) {
+                self.0.unpark();
+            }
+        }
+        let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = Context::from_waker(&waker);
+        let mut f = std::pin::pin!(f);
+        loop {
+            if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+                return v;
+            }
+            std::thread::park();
+        }
     }
 }

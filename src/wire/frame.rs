@@ -295,15 +295,13 @@ impl Decoder {
         let body_len = head.body_len as usize;
         let total = prefix + body_len;
         if src.len() >= total {
-            let frame = src.split_to(total).freeze();
-            return self.frame(&head, frame).map(Some);
+            return self.take_frame(&head, src).map(Some);
         }
         if head.kind == FrameKind::Message
             && body_len >= self.direct_threshold
             && src.len() >= prefix
         {
-            let frame = src.split_to(prefix).freeze();
-            let (kind, meta) = self.type_and_meta(&head, &frame)?;
+            let (kind, meta) = self.take_type_and_meta(&head, src)?;
             // The length was checked against max_body in `FrameHead::parse`.
             let mut body = BytesMut::with_capacity(body_len);
             let take = src.len().min(body_len);
@@ -337,42 +335,66 @@ impl Decoder {
         )))
     }
 
-    fn type_and_meta(
+    /// Validates type and metadata at the front of `src` (a whole prefix is there), then
+    /// consumes them: the type is validated or taken from the cache, the metadata is cut out
+    /// of `src` without copying (one reference count) when there is any.
+    fn take_type_and_meta(
         &mut self,
         head: &FrameHead,
-        frame: &Bytes,
+        src: &mut BytesMut,
     ) -> Result<(MsgType, Meta), FrameError> {
         let t_end = FRAME_HEAD_LEN + head.type_len as usize;
-        let m_end = t_end + head.meta_len as usize;
-        let kind = self.types.get(&frame[FRAME_HEAD_LEN..t_end])?;
-        let meta = Meta::from_wire(
-            frame.slice(t_end..m_end),
+        let meta_len = head.meta_len as usize;
+        let kind = self.types.get(&src[FRAME_HEAD_LEN..t_end])?;
+        Meta::validate_wire(
+            &src[t_end..t_end + meta_len],
             self.limits.max_meta_entries as usize,
         )?;
+        src.advance(t_end);
+        let meta = if meta_len == 0 {
+            Meta::new()
+        } else {
+            Meta::from_valid_wire(src.split_to(meta_len).freeze())
+        };
         Ok((kind, meta))
     }
 
-    fn frame(&mut self, head: &FrameHead, frame: Bytes) -> Result<Frame, FrameError> {
-        let prefix = head.prefix_len();
+    /// Consumes a whole frame from the front of `src`. A message's body is cut out without
+    /// copying: one reference count on the read buffer, none for an empty body.
+    fn take_frame(&mut self, head: &FrameHead, src: &mut BytesMut) -> Result<Frame, FrameError> {
+        let body_len = head.body_len as usize;
         match head.kind {
             FrameKind::Message => {
-                let (kind, meta) = self.type_and_meta(head, &frame)?;
+                let (kind, meta) = self.take_type_and_meta(head, src)?;
+                let body = if body_len == 0 {
+                    Bytes::new()
+                } else {
+                    src.split_to(body_len).freeze()
+                };
                 Ok(Frame::Message(Message::from_parts(
                     kind,
                     meta,
-                    Body::from(frame.slice(prefix..)),
+                    Body::from(body),
                     Header {
                         flags: head.flags,
                         correlation: head.correlation,
                     },
                 )))
             }
-            FrameKind::Close => Ok(Frame::Control(Control::Close)),
-            FrameKind::Stop => Ok(Frame::Control(Control::Stop)),
+            FrameKind::Close | FrameKind::Stop => {
+                src.advance(FRAME_HEAD_LEN);
+                Ok(Frame::Control(if head.kind == FrameKind::Close {
+                    Control::Close
+                } else {
+                    Control::Stop
+                }))
+            }
             FrameKind::Error => {
-                let reason =
-                    std::str::from_utf8(&frame[prefix..]).map_err(|_| FrameError::ReasonNotUtf8)?;
-                Ok(Frame::Control(Control::Error(reason.to_owned())))
+                let reason = std::str::from_utf8(&src[FRAME_HEAD_LEN..FRAME_HEAD_LEN + body_len])
+                    .map_err(|_| FrameError::ReasonNotUtf8)?
+                    .to_owned();
+                src.advance(FRAME_HEAD_LEN + body_len);
+                Ok(Frame::Control(Control::Error(reason)))
             }
         }
     }

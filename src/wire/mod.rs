@@ -179,7 +179,7 @@ pub fn head_len(msg: &Message) -> usize {
     FRAME_HEAD_LEN + msg.kind().len() + msg.meta().encoded_len()
 }
 
-/// Remembers the last type decoded so a run of messages of one type shares one allocation.
+/// Remembers the last type decoded, so a run of messages of one type is validated once.
 #[derive(Default)]
 pub(crate) struct TypeCache(Option<MsgType>);
 
@@ -190,7 +190,7 @@ impl TypeCache {
         {
             return Ok(t.clone());
         }
-        let t = MsgType::from_bytes(bytes::Bytes::copy_from_slice(bytes))?;
+        let t = MsgType::from_wire(bytes)?;
         self.0 = Some(t.clone());
         Ok(t)
     }

@@ -2,15 +2,15 @@
 //! the halves themselves, and the driver (handshake, read loop, write loop).
 //!
 //! ```text
-//!  user task(s)                          I/O thread (one task per connection)
-//!  TcpSender ──push──▶ Conn::out ──pop──▶ write loop ──writev──▶ socket
-//!  TcpReceiver ◀─pop── Conn::inp ◀─push── read loop  ◀──read─── socket
+//!  user task(s)                            I/O thread (one task per connection)
+//!  TcpSender ──batches──▶ out pipe ──▶ write loop ──writev──▶ socket
+//!  TcpReceiver ◀─batches── inp pipe ◀── read loop  ◀──read─── socket
 //! ```
 //!
-//! Both pipes are bounded; the write loop drains everything queued into one vectored write
-//! (small frames coalesced, large bodies as their own iovecs); the read loop decodes frames
-//! zero-copy and pauses reading while `inp` is full, which backpressures the peer through
-//! TCP's window.
+//! Both pipes are bounded. The write loop drains everything queued into one vectored write
+//! (small frames coalesced, large bodies as iovecs of their own); the read loop decodes every
+//! frame of a read zero-copy, hands them over as one batch, and pauses reading while `inp` is
+//! full, which backpressures the peer through TCP's window.
 
 use std::io;
 use std::net::Shutdown;
@@ -25,7 +25,7 @@ use futures_util::future::poll_fn;
 
 use super::sys::Stream;
 use crate::error::Result;
-use crate::transport::pipe::Pipe;
+use crate::transport::pipe::{Consumer, Item, Pipe, Producer, Stager, Unbatcher};
 use crate::transport::{Config, RecvHalf, SendHalf};
 use crate::wire::{Batch, Control, Decoder, Frame, HANDSHAKE_LEN, Handshake, Limits};
 use crate::{Error, ErrorKind, Message};
@@ -36,13 +36,15 @@ const READ_CHUNK: usize = 256 << 10;
 const BATCH_MAX_IOVECS: usize = 512;
 /// ...or this many bytes.
 const BATCH_MAX_BYTES: usize = 4 << 20;
+/// Most messages the read loop hands over in one batch.
+const DELIVER_MAX: usize = 256;
 
 /// What a connection's user halves and its driver share.
 pub(crate) struct Conn {
     /// Sender → write loop.
-    pub(crate) out: Pipe,
+    out: Arc<Pipe>,
     /// Read loop → Receiver.
-    pub(crate) inp: Pipe,
+    inp: Arc<Pipe>,
     /// The failure that ended the connection; reported by both halves.
     error: OnceLock<Error>,
     /// A reason to send the peer in an `ERROR` frame before closing.
@@ -98,10 +100,10 @@ impl Conn {
     }
 
     fn wake_all(&self) {
-        self.out.wake_tx();
-        self.out.wake_rx();
-        self.inp.wake_tx();
-        self.inp.wake_rx();
+        self.out.to_producer.wake();
+        self.out.to_consumer.wake();
+        self.inp.to_producer.wake();
+        self.inp.to_consumer.wake();
     }
 }
 
@@ -111,16 +113,18 @@ impl Conn {
 
 pub(crate) struct TcpSender {
     conn: Arc<Conn>,
-    /// Messages pushed so far (compared with `Conn::written` by flush).
-    pushed: u64,
+    out: Stager,
+    /// Messages accepted so far (compared with `Conn::written` by flush).
+    accepted: u64,
     closing: bool,
 }
 
 impl TcpSender {
     pub(crate) fn new(conn: Arc<Conn>) -> TcpSender {
         TcpSender {
+            out: Stager::new(conn.out.clone()),
             conn,
-            pushed: 0,
+            accepted: 0,
             closing: false,
         }
     }
@@ -140,12 +144,35 @@ impl TcpSender {
         }
         Ok(())
     }
+
+    /// Waits for `done`, re-checked after arming the wake-up; fails with the connection.
+    fn poll_until(
+        &mut self,
+        cx: &mut Context<'_>,
+        done: impl Fn(&Conn) -> bool,
+    ) -> Poll<Result<()>> {
+        if done(&self.conn) {
+            return Poll::Ready(Ok(()));
+        }
+        if let Some(e) = self.conn.error() {
+            return Poll::Ready(Err(e));
+        }
+        self.conn.out.to_producer.arm(cx);
+        if done(&self.conn) {
+            self.conn.out.to_producer.disarm();
+            return Poll::Ready(Ok(()));
+        }
+        match self.conn.error() {
+            Some(e) => Poll::Ready(Err(e)),
+            None => Poll::Pending,
+        }
+    }
 }
 
 impl SendHalf for TcpSender {
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
         self.check()?;
-        match self.conn.out.poll_room(cx) {
+        match self.out.poll_ready(cx) {
             // Woken by a failure or STOP as well as by room: look again.
             Poll::Ready(()) => Poll::Ready(self.check()),
             Poll::Pending => Poll::Pending,
@@ -153,70 +180,46 @@ impl SendHalf for TcpSender {
     }
 
     fn start_send(&mut self, msg: Message) -> Result<()> {
-        self.check().map_err(|e| e.with_message(msg.clone()))?;
-        self.conn.out.push(msg).map_err(|m| {
-            Error::new(
-                ErrorKind::Full,
-                "start_send without poll_ready on a full channel",
-            )
-            .with_message(m)
-        })?;
-        self.pushed += 1;
+        if let Err(e) = self.check() {
+            return Err(e.with_message(msg));
+        }
+        self.out.stage(msg);
+        self.accepted += 1;
         Ok(())
     }
 
+    fn submit(&mut self) {
+        self.out.submit();
+    }
+
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
-        let done = |c: &Conn| c.written.load(Ordering::Acquire) >= self.pushed;
-        if done(&self.conn) {
-            return Poll::Ready(Ok(()));
-        }
-        if let Some(e) = self.conn.error() {
-            return Poll::Ready(Err(e));
-        }
-        self.conn.out.register_tx(cx);
-        if done(&self.conn) {
-            return Poll::Ready(Ok(()));
-        }
-        match self.conn.error() {
-            Some(e) => Poll::Ready(Err(e)),
-            None => Poll::Pending,
-        }
+        self.out.submit();
+        let accepted = self.accepted;
+        self.poll_until(cx, |c| c.written.load(Ordering::Acquire) >= accepted)
     }
 
     fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
         if !self.closing {
             self.closing = true;
-            self.conn.out.close_tx();
+            self.out.close();
         }
-        if self.conn.close_done.load(Ordering::Acquire) {
-            return Poll::Ready(Ok(()));
-        }
-        self.conn.out.register_tx(cx);
-        if self.conn.close_done.load(Ordering::Acquire) {
-            return Poll::Ready(Ok(()));
-        }
-        match self.conn.error() {
-            Some(e) => Poll::Ready(Err(e)),
-            None => Poll::Pending,
-        }
-    }
-}
-
-impl Drop for TcpSender {
-    fn drop(&mut self) {
-        // Drop is a close: the write loop sends what is queued, then CLOSE.
-        self.conn.out.close_tx();
+        self.poll_until(cx, |c| c.close_done.load(Ordering::Acquire))
     }
 }
 
 pub(crate) struct TcpReceiver {
     conn: Arc<Conn>,
+    inp: Unbatcher,
     done: bool,
 }
 
 impl TcpReceiver {
     pub(crate) fn new(conn: Arc<Conn>) -> TcpReceiver {
-        TcpReceiver { conn, done: false }
+        TcpReceiver {
+            inp: Unbatcher::new(conn.inp.clone()),
+            conn,
+            done: false,
+        }
     }
 }
 
@@ -225,7 +228,7 @@ impl RecvHalf for TcpReceiver {
         if self.done {
             return Poll::Ready(None);
         }
-        match self.conn.inp.poll_pop(cx) {
+        match self.inp.poll_next(cx) {
             Poll::Ready(Some(m)) => Poll::Ready(Some(Ok(m))),
             Poll::Ready(None) => {
                 self.done = true;
@@ -238,11 +241,11 @@ impl RecvHalf for TcpReceiver {
 
 impl Drop for TcpReceiver {
     fn drop(&mut self) {
-        self.conn.inp.close_rx();
+        // (`inp` closes the pipe when it drops, after this.)
         if !self.done {
             // Tell the peer to stop sending (unless the stream already ended).
             self.conn.stop_owed.store(true, Ordering::Release);
-            self.conn.out.wake_rx();
+            self.conn.out.to_consumer.wake();
         }
     }
 }
@@ -304,6 +307,8 @@ pub(crate) async fn handshake(stream: &Stream, cfg: &Config) -> Result<(Limits, 
 }
 
 /// Runs a connection until both directions are finished or it fails.
+
+/// Runs a connection until both directions are finished or it fails.
 pub(crate) async fn drive(
     conn: Arc<Conn>,
     stream: Rc<Stream>,
@@ -312,8 +317,9 @@ pub(crate) async fn drive(
     peer: String,
 ) {
     let reader = async {
-        match read_loop(&conn, &stream, src, &cfg).await {
-            Ok(()) => conn.inp.close_tx(),
+        let mut inp = Producer::new(conn.inp.clone());
+        match read_loop(&conn, &mut inp, &stream, src, &cfg).await {
+            Ok(()) => inp.close(),
             Err((e, tell_peer)) => {
                 if conn.failed() {
                     // The write side failed first and said why; this is the reader stopping.
@@ -327,12 +333,13 @@ pub(crate) async fn drive(
         }
     };
     let writer = async {
-        if let Err(e) = write_loop(&conn, &stream).await {
+        let mut out = Consumer::new(conn.out.clone());
+        if let Err(e) = write_loop(&conn, &mut out, &stream).await {
             tracing::debug!(peer = %peer, "write side failed: {e}");
             conn.fail(e, false);
         }
         conn.writer_done.store(true, Ordering::Release);
-        conn.inp.wake_tx();
+        conn.inp.to_producer.wake();
     };
     futures_util::future::join(reader, writer).await;
     let discarded = conn.discarded.load(Ordering::Relaxed);
@@ -350,8 +357,9 @@ fn poll_stop(conn: &Conn, cx: &mut Context<'_>) -> Poll<()> {
     if stop(conn) {
         return Poll::Ready(());
     }
-    conn.inp.register_tx(cx);
+    conn.inp.to_producer.arm(cx);
     if stop(conn) {
+        conn.inp.to_producer.disarm();
         Poll::Ready(())
     } else {
         Poll::Pending
@@ -367,21 +375,30 @@ fn protocol(e: impl std::fmt::Display) -> LoopError {
 
 async fn read_loop(
     conn: &Conn,
+    inp: &mut Producer,
     stream: &Stream,
     mut src: BytesMut,
     cfg: &Config,
 ) -> Result<(), LoopError> {
     let mut dec = Decoder::new(cfg.limits);
     let stopped = || (Error::new(ErrorKind::Closed, "connection closed"), false);
+    let batch_max = DELIVER_MAX.min(cfg.recv_queue).max(1);
+    let mut batch: Vec<Message> = Vec::new();
     loop {
-        // Hand out every complete frame.
+        // Hand out every complete frame, in batches.
         loop {
-            match dec.decode(&mut src) {
-                Ok(Some(Frame::Message(m))) => deliver(conn, m).await.map_err(|()| stopped())?,
+            let frame = dec.decode(&mut src);
+            if !matches!(frame, Ok(Some(Frame::Message(_)))) || batch.len() >= batch_max {
+                deliver(conn, inp, &mut batch)
+                    .await
+                    .map_err(|()| stopped())?;
+            }
+            match frame {
+                Ok(Some(Frame::Message(m))) => batch.push(m),
                 Ok(Some(Frame::Control(Control::Close))) => return Ok(()),
                 Ok(Some(Frame::Control(Control::Stop))) => {
                     conn.peer_stopped.store(true, Ordering::Release);
-                    conn.out.wake_tx();
+                    conn.out.to_producer.wake();
                 }
                 Ok(Some(Frame::Control(Control::Error(reason)))) => {
                     return Err((
@@ -466,24 +483,35 @@ async fn read_loop(
     }
 }
 
-/// Queues a received message for the Receiver, waiting for room (this pauses reading, which
+/// Hands the decoded `batch` to the Receiver, waiting for room (which pauses reading and so
 /// backpressures the peer). `Err` when the connection must stop.
-async fn deliver(conn: &Conn, msg: Message) -> Result<(), ()> {
+async fn deliver(conn: &Conn, inp: &mut Producer, batch: &mut Vec<Message>) -> Result<(), ()> {
+    if batch.is_empty() {
+        return Ok(());
+    }
     poll_fn(|cx| {
         if conn.failed() {
             return Poll::Ready(Err(()));
         }
-        conn.inp.poll_room(cx).map(Ok)
+        inp.poll_room(cx).map(Ok)
     })
     .await?;
     if conn.inp.is_rx_closed() {
-        let n = conn.discarded.fetch_add(1, Ordering::Relaxed);
+        let n = conn
+            .discarded
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
         if n == 0 {
-            tracing::warn!(kind = %msg.kind(), "receiver dropped: discarding incoming messages (the peer was sent STOP)");
+            tracing::warn!(kind = %batch[0].kind(), "receiver dropped: discarding incoming messages (the peer was sent STOP)");
         }
+        batch.clear();
         return Ok(());
     }
-    conn.inp.push(msg).map_err(|_| ())
+    let item = if batch.len() == 1 {
+        Item::One(batch.pop().expect("one message"))
+    } else {
+        Item::Many(std::mem::replace(batch, Vec::with_capacity(16)))
+    };
+    inp.push(item).map_err(|_| ())
 }
 
 enum Work {
@@ -499,7 +527,7 @@ fn poll_work(conn: &Conn, cx: &mut Context<'_>) -> Poll<Work> {
             Some(Work::Failed)
         } else if !c.out.is_empty() || c.stop_owed.load(Ordering::Acquire) {
             Some(Work::Ready)
-        } else if c.out.is_drained_and_closed() {
+        } else if c.out.is_tx_closed() && c.out.is_empty() {
             Some(Work::Closed)
         } else {
             None
@@ -508,60 +536,73 @@ fn poll_work(conn: &Conn, cx: &mut Context<'_>) -> Poll<Work> {
     if let Some(w) = check(conn) {
         return Poll::Ready(w);
     }
-    conn.out.register_rx(cx);
+    conn.out.to_consumer.arm(cx);
     match check(conn) {
-        Some(w) => Poll::Ready(w),
+        Some(w) => {
+            conn.out.to_consumer.disarm();
+            Poll::Ready(w)
+        }
         None => Poll::Pending,
     }
 }
 
-async fn write_loop(conn: &Conn, stream: &Stream) -> Result<()> {
+async fn write_loop(conn: &Conn, out: &mut Consumer, stream: &Stream) -> Result<()> {
     let mut batch = Batch::default();
     let mut written: u64 = 0;
+    // Messages popped but not yet in a batch (a popped item larger than the batch's room).
+    let mut leftover = Vec::new().into_iter();
     loop {
-        match poll_fn(|cx| poll_work(conn, cx)).await {
-            Work::Failed => {
-                let reason = conn
-                    .notify_peer
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .take();
-                if let Some(reason) = reason {
-                    // Best effort, bounded: the peer may not be reading.
-                    batch.take();
-                    batch.push_control(&Control::Error(reason));
-                    let _ = tokio::time::timeout(
-                        Duration::from_secs(1),
-                        stream.write_all(batch.take()),
-                    )
-                    .await;
+        if leftover.len() == 0 {
+            match poll_fn(|cx| poll_work(conn, cx)).await {
+                Work::Failed => {
+                    let reason = conn
+                        .notify_peer
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .take();
+                    if let Some(reason) = reason {
+                        // Best effort, bounded: the peer may not be reading.
+                        batch.take();
+                        batch.push_control(&Control::Error(reason));
+                        let _ = tokio::time::timeout(
+                            Duration::from_secs(1),
+                            stream.write_all(batch.take()),
+                        )
+                        .await;
+                    }
+                    return Ok(());
                 }
-                return Ok(());
+                Work::Closed => {
+                    batch.push_control(&Control::Close);
+                    stream
+                        .write_all(batch.take())
+                        .await
+                        .map_err(|e| Error::io("sending the close frame", e))?;
+                    let _ = stream.shutdown(Shutdown::Write);
+                    conn.close_done.store(true, Ordering::Release);
+                    conn.out.to_producer.wake();
+                    return Ok(());
+                }
+                Work::Ready => {}
             }
-            Work::Closed => {
-                batch.push_control(&Control::Close);
-                stream
-                    .write_all(batch.take())
-                    .await
-                    .map_err(|e| Error::io("sending the close frame", e))?;
-                let _ = stream.shutdown(Shutdown::Write);
-                conn.close_done.store(true, Ordering::Release);
-                conn.out.wake_tx();
-                return Ok(());
-            }
-            Work::Ready => {}
         }
         // Drain what is queued into one batch.
         if conn.stop_owed.swap(false, Ordering::AcqRel) {
             batch.push_control(&Control::Stop);
         }
-        while batch.chunk_count() < BATCH_MAX_IOVECS && batch.bytes() < BATCH_MAX_BYTES {
-            match conn.out.try_pop_quiet() {
-                Some(m) => batch.push_message(m),
+        let room = |b: &Batch| b.chunk_count() < BATCH_MAX_IOVECS && b.bytes() < BATCH_MAX_BYTES;
+        while room(&batch) {
+            if let Some(m) = leftover.next() {
+                batch.push_message(m);
+                continue;
+            }
+            match out.pop() {
+                Some(Item::One(m)) => batch.push_message(m),
+                Some(Item::Many(v)) => leftover = v.into_iter(),
                 None => break,
             }
         }
-        conn.out.wake_tx(); // room was freed
+        out.notify_producer(); // room was freed
         let n = batch.messages() as u64;
         stream.write_all(batch.take()).await.map_err(|e| {
             if e.kind() == io::ErrorKind::BrokenPipe || e.kind() == io::ErrorKind::ConnectionReset {
@@ -573,6 +614,6 @@ async fn write_loop(conn: &Conn, stream: &Stream) -> Result<()> {
         })?;
         written += n;
         conn.written.store(written, Ordering::Release);
-        conn.out.wake_tx(); // flush progress
+        conn.out.to_producer.notify(); // flush progress
     }
 }
