@@ -307,8 +307,6 @@ pub(crate) async fn handshake(stream: &Stream, cfg: &Config) -> Result<(Limits, 
 }
 
 /// Runs a connection until both directions are finished or it fails.
-
-/// Runs a connection until both directions are finished or it fails.
 pub(crate) async fn drive(
     conn: Arc<Conn>,
     stream: Rc<Stream>,
