@@ -58,6 +58,7 @@ fn peer_main(spec: &str) {
 async fn hf_peer(mode: &str, url: &str) {
     let engine = match std::env::var("HYPERFRAMES_IO").as_deref() {
         Ok("epoll") => IoEngine::Epoll,
+        Ok("inline") => IoEngine::Inline,
         _ => IoEngine::Uring,
     };
     let ctx = Context::builder().io_engine(engine).build().unwrap();
@@ -138,16 +139,27 @@ fn spawn_peer(kind: &str, mode: &str, url: &str, engine: Option<&str>) -> Peer {
     Peer(child)
 }
 
+const ENGINES: [IoEngine; 3] = [IoEngine::Uring, IoEngine::Epoll, IoEngine::Inline];
+
+fn engine_name(e: IoEngine) -> &'static str {
+    match e {
+        IoEngine::Epoll => "epoll",
+        IoEngine::Inline => "inline",
+        _ => "uring",
+    }
+}
+
 /// A hyperframes channel to a freshly spawned peer.
 async fn hf_pair(engine: IoEngine, mode: &str) -> (hyperframes::Channel, Peer) {
     let ctx = Context::builder().io_engine(engine).build().unwrap();
     let mut l = ctx.bind("tcp://127.0.0.1:0").await.unwrap();
-    let name = if engine == IoEngine::Epoll {
-        "epoll"
-    } else {
-        "uring"
-    };
-    let peer = spawn_peer("hf", mode, l.local_url(), Some(name));
+    // Wait for the peer off the runtime: inline, this runtime answers its handshake.
+    let (mode, url) = (mode.to_owned(), l.local_url().to_owned());
+    let peer = tokio::task::spawn_blocking(move || {
+        spawn_peer("hf", &mode, &url, Some(engine_name(engine)))
+    })
+    .await
+    .unwrap();
     (l.accept().await.unwrap(), peer)
 }
 
@@ -217,15 +229,8 @@ fn bench_streaming(c: &mut Criterion, rt: &tokio::runtime::Runtime, group: &str,
     g.sample_size(10)
         .measurement_time(Duration::from_secs(4))
         .warm_up_time(Duration::from_secs(1));
-    for engine in [IoEngine::Uring, IoEngine::Epoll] {
-        let name = format!(
-            "hyperframes_{}",
-            if engine == IoEngine::Uring {
-                "uring"
-            } else {
-                "epoll"
-            }
-        );
+    for engine in ENGINES {
+        let name = format!("hyperframes_{}", engine_name(engine));
         let (mut ch, _peer) = rt.block_on(hf_pair(engine, "sink"));
         g.bench_function(&name, |b| {
             b.iter_custom(|n| {
@@ -254,15 +259,8 @@ fn bench_latency(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
     g.sample_size(10)
         .measurement_time(Duration::from_secs(4))
         .warm_up_time(Duration::from_secs(1));
-    for engine in [IoEngine::Uring, IoEngine::Epoll] {
-        let name = format!(
-            "hyperframes_{}",
-            if engine == IoEngine::Uring {
-                "uring"
-            } else {
-                "epoll"
-            }
-        );
+    for engine in ENGINES {
+        let name = format!("hyperframes_{}", engine_name(engine));
         let (mut ch, _peer) = rt.block_on(hf_pair(engine, "echo"));
         let msg = Message::new("bench.ping").unwrap().with_body(body.clone());
         g.bench_function(&name, |b| {

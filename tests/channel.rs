@@ -15,6 +15,7 @@ enum T {
     Inproc,
     Uring,
     Epoll,
+    Inline,
 }
 
 static NAME: AtomicUsize = AtomicUsize::new(0);
@@ -27,13 +28,14 @@ impl T {
             T::Inproc => b.build().unwrap(),
             T::Uring => b.io_engine(IoEngine::Uring).build().unwrap(),
             T::Epoll => b.io_engine(IoEngine::Epoll).build().unwrap(),
+            T::Inline => b.io_engine(IoEngine::Inline).build().unwrap(),
         }
     }
 
     fn url(self) -> String {
         match self {
             T::Inproc => format!("inproc://chan-{}", NAME.fetch_add(1, Ordering::Relaxed)),
-            T::Uring | T::Epoll => "tcp://127.0.0.1:0".into(),
+            T::Uring | T::Epoll | T::Inline => "tcp://127.0.0.1:0".into(),
         }
     }
 
@@ -423,6 +425,7 @@ macro_rules! suite {
         mod inproc { $( #[tokio::test] async fn $name() { super::$name(super::T::Inproc).await } )* }
         mod tcp_uring { $( #[tokio::test] async fn $name() { super::$name(super::T::Uring).await } )* }
         mod tcp_epoll { $( #[tokio::test] async fn $name() { super::$name(super::T::Epoll).await } )* }
+        mod tcp_inline { $( #[tokio::test] async fn $name() { super::$name(super::T::Inline).await } )* }
     };
 }
 
@@ -449,6 +452,19 @@ suite!(
 async fn tcp_works_from_a_multi_thread_runtime() {
     round_trip_every_field(T::Uring).await;
     round_trip_every_field(T::Epoll).await;
+    round_trip_every_field(T::Inline).await;
+    in_order_under_load(T::Inline).await;
+}
+
+#[test]
+fn inline_without_a_runtime_is_a_clear_error() {
+    let ctx = Context::builder()
+        .io_engine(IoEngine::Inline)
+        .build()
+        .unwrap();
+    let e = futures_executor_block_on(ctx.bind("tcp://127.0.0.1:0")).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unavailable);
+    assert!(e.to_string().contains("tokio runtime"), "{e}");
 }
 
 #[test]

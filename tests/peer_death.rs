@@ -22,8 +22,16 @@ impl Drop for Peer {
 }
 
 impl Peer {
-    /// Starts the peer in `mode` against `url` and waits until it says it is connected.
-    fn start(mode: &str, url: &str) -> Peer {
+    /// Starts the peer in `mode` against `url` and waits (off the runtime, which may have to
+    /// answer the peer's handshake) until it says it is connected.
+    async fn start(mode: &str, url: &str) -> Peer {
+        let (mode, url) = (mode.to_owned(), url.to_owned());
+        tokio::task::spawn_blocking(move || Peer::start_blocking(&mode, &url))
+            .await
+            .unwrap()
+    }
+
+    fn start_blocking(mode: &str, url: &str) -> Peer {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "child_peer", "--nocapture", "--test-threads=1"])
             .env("HF_TEST_CHILD", format!("{mode} {url}"))
@@ -76,7 +84,7 @@ fn ctx(engine: IoEngine) -> Context {
 async fn killed_peer_fails_both_halves(engine: IoEngine) {
     let ctx = ctx(engine);
     let mut l = ctx.bind("tcp://127.0.0.1:0").await.unwrap();
-    let mut peer = Peer::start("send", l.local_url());
+    let mut peer = Peer::start("send", l.local_url()).await;
     let (mut tx, mut rx) = timeout(GUARD, l.accept()).await.unwrap().unwrap().split();
     let hello = timeout(GUARD, rx.recv()).await.unwrap().unwrap().unwrap();
     assert_eq!(hello.kind(), "peer.hello");
@@ -107,7 +115,7 @@ async fn killed_peer_releases_a_blocked_sender(engine: IoEngine) {
         .build()
         .unwrap();
     let mut l = ctx.bind("tcp://127.0.0.1:0").await.unwrap();
-    let mut peer = Peer::start("sink", l.local_url());
+    let mut peer = Peer::start("sink", l.local_url()).await;
     let (mut tx, _rx) = timeout(GUARD, l.accept()).await.unwrap().unwrap().split();
     let body = bytes::Bytes::from(vec![1u8; 1 << 20]);
     // Fill everything until the sender blocks (the peer never reads).
@@ -147,4 +155,14 @@ async fn uring_killed_peer_releases_a_blocked_sender() {
 #[tokio::test]
 async fn epoll_killed_peer_releases_a_blocked_sender() {
     killed_peer_releases_a_blocked_sender(IoEngine::Epoll).await;
+}
+
+#[tokio::test]
+async fn inline_killed_peer_fails_both_halves() {
+    killed_peer_fails_both_halves(IoEngine::Inline).await;
+}
+
+#[tokio::test]
+async fn inline_killed_peer_releases_a_blocked_sender() {
+    killed_peer_releases_a_blocked_sender(IoEngine::Inline).await;
 }

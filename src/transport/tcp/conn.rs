@@ -14,7 +14,6 @@
 
 use std::io;
 use std::net::Shutdown;
-use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
@@ -23,7 +22,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 use futures_util::future::poll_fn;
 
-use super::sys::Stream;
+use super::sys::Io;
 use crate::error::Result;
 use crate::transport::pipe::{Consumer, Item, Pipe, Producer, Stager, Unbatcher};
 use crate::transport::{Config, RecvHalf, SendHalf};
@@ -256,7 +255,7 @@ impl Drop for TcpReceiver {
 
 /// Sends our handshake and reads the peer's. Returns the peer's limits and any bytes that
 /// arrived after its handshake (frames may follow it immediately).
-pub(crate) async fn handshake(stream: &Stream, cfg: &Config) -> Result<(Limits, BytesMut)> {
+pub(crate) async fn handshake<S: Io>(stream: &S, cfg: &Config) -> Result<(Limits, BytesMut)> {
     let fut = async {
         let mut ours = BytesMut::with_capacity(HANDSHAKE_LEN);
         Handshake::new(cfg.limits).encode(&mut ours);
@@ -307,9 +306,9 @@ pub(crate) async fn handshake(stream: &Stream, cfg: &Config) -> Result<(Limits, 
 }
 
 /// Runs a connection until both directions are finished or it fails.
-pub(crate) async fn drive(
+pub(crate) async fn drive<S: Io>(
     conn: Arc<Conn>,
-    stream: Rc<Stream>,
+    stream: S,
     src: BytesMut,
     cfg: Config,
     peer: String,
@@ -371,10 +370,10 @@ fn protocol(e: impl std::fmt::Display) -> LoopError {
     (Error::new(ErrorKind::Protocol, e.to_string()), true)
 }
 
-async fn read_loop(
+async fn read_loop<S: Io>(
     conn: &Conn,
     inp: &mut Producer,
-    stream: &Stream,
+    stream: &S,
     mut src: BytesMut,
     cfg: &Config,
 ) -> Result<(), LoopError> {
@@ -544,7 +543,7 @@ fn poll_work(conn: &Conn, cx: &mut Context<'_>) -> Poll<Work> {
     }
 }
 
-async fn write_loop(conn: &Conn, out: &mut Consumer, stream: &Stream) -> Result<()> {
+async fn write_loop<S: Io>(conn: &Conn, out: &mut Consumer, stream: &S) -> Result<()> {
     let mut batch = Batch::default();
     let mut written: u64 = 0;
     // Messages popped but not yet in a batch (a popped item larger than the batch's room).

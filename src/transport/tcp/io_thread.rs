@@ -3,20 +3,17 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::rc::Rc;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Once, Weak};
-use std::task::{Context, Poll};
-use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::conn::{self, Conn, TcpReceiver, TcpSender};
-use super::sys::{self, Stream};
+use super::setup::{self, TcpAccept};
+use super::sys::{EpollStream, UringStream};
 use crate::error::Result;
 use crate::transport::{AcceptHalf, Config, IoEngine, Parts};
 use crate::url::Endpoint;
-use crate::wire::{Batch, Control};
 use crate::{Error, ErrorKind};
 
 enum Command {
@@ -117,7 +114,7 @@ impl IoThreads {
         let half = TcpAccept {
             rx,
             rejected,
-            threads: self.clone(),
+            keepalive: Some(self.clone()),
         };
         Ok((
             Box::new(half),
@@ -148,7 +145,9 @@ fn thread_main(
             Err(e) if cfg.engine == IoEngine::Uring => {
                 let _ = ready.send(Err(Error::new(
                     ErrorKind::Unavailable,
-                    format!("io_uring is not available here ({e}); unset HYPERFRAMES_IO or set it to epoll"),
+                    format!(
+                        "io_uring is not available here ({e}); unset HYPERFRAMES_IO or set it to epoll"
+                    ),
                 )));
                 return;
             }
@@ -172,6 +171,30 @@ fn thread_main(
     local.block_on(&rt, serve(IoEngine::Epoll, cmds, cfg));
 }
 
+type LocalDriver = Pin<Box<dyn Future<Output = ()>>>;
+
+/// Handshake on `engine`; the driver is boxed so both engines give one type.
+async fn establish(
+    engine: IoEngine,
+    std: std::net::TcpStream,
+    cfg: &Config,
+) -> Result<(Parts, LocalDriver)> {
+    let local = std
+        .local_addr()
+        .map_err(|e| Error::io("local address", e))?;
+    let peer = std.peer_addr().map_err(|e| Error::io("peer address", e))?;
+    let registering = |e| Error::io("registering the socket", e);
+    if engine == IoEngine::Uring {
+        let s = UringStream::from_std(std).map_err(registering)?;
+        let (parts, driver) = setup::establish(s, local, peer, cfg).await?;
+        Ok((parts, Box::pin(driver)))
+    } else {
+        let s = EpollStream::from_std(std).map_err(registering)?;
+        let (parts, driver) = setup::establish(s, local, peer, cfg).await?;
+        Ok((parts, Box::pin(driver)))
+    }
+}
+
 async fn serve(engine: IoEngine, mut cmds: mpsc::Receiver<Command>, cfg: Config) {
     let mut tasks = tokio::task::JoinSet::new();
     while let Some(cmd) = cmds.recv().await {
@@ -179,7 +202,13 @@ async fn serve(engine: IoEngine, mut cmds: mpsc::Receiver<Command>, cfg: Config)
         match cmd {
             Command::Connect { host, port, reply } => {
                 tasks.spawn_local(async move {
-                    let res = connect(engine, &host, port, &cfg).await;
+                    let res = match setup::connect_tcp(&host, port, &cfg).await {
+                        Ok(stream) => match stream.into_std() {
+                            Ok(std) => establish(engine, std, &cfg).await,
+                            Err(e) => Err(Error::io("taking the socket from the reactor", e)),
+                        },
+                        Err(e) => Err(e),
+                    };
                     match res {
                         Ok((parts, driver)) => {
                             // If the caller gave up, dropping `parts` closes both halves and the
@@ -199,25 +228,48 @@ async fn serve(engine: IoEngine, mut cmds: mpsc::Receiver<Command>, cfg: Config)
                 threads,
                 reply,
                 rejected,
-            } => match bind(&host, port, &cfg).await {
-                Ok(listener) => {
-                    let local = listener.local_addr().ok();
-                    let (tx, rx) = mpsc::channel(cfg.accept_backlog);
-                    let Some(local) = local else {
-                        let _ = reply.send(Err(Error::new(
-                            ErrorKind::Io,
-                            "bound socket has no local address",
-                        )));
+            } => {
+                let listener = match setup::bind_listener(&host, port, &cfg).await {
+                    Ok(l) => l,
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
                         continue;
-                    };
-                    if reply.send(Ok((rx, local))).is_ok() {
-                        tasks.spawn_local(accept_loop(listener, tx, threads, rejected));
                     }
+                };
+                let local = match listener.local_addr() {
+                    Ok(a) => a,
+                    Err(e) => {
+                        let _ = reply.send(Err(Error::io("bound socket address", e)));
+                        continue;
+                    }
+                };
+                let (tx, rx) = mpsc::channel(cfg.accept_backlog);
+                if reply.send(Ok((rx, local))).is_ok() {
+                    tasks.spawn_local(async move {
+                        let to = tx.clone();
+                        setup::accept_loop(listener, tx, &cfg, |stream, peer| {
+                            // Spread accepted connections over the threads.
+                            let to = to.clone();
+                            let rejected = rejected.clone();
+                            let threads = threads.upgrade();
+                            async move {
+                                let (Some(threads), Ok(stream)) = (threads, stream.into_std())
+                                else {
+                                    return false;
+                                };
+                                let cmd = Command::Adopt {
+                                    stream,
+                                    peer,
+                                    to,
+                                    rejected,
+                                };
+                                threads.pick().send(cmd).await.is_ok()
+                            }
+                        })
+                        .await;
+                    });
                 }
-                Err(e) => {
-                    let _ = reply.send(Err(e));
-                }
-            },
+            }
             Command::Adopt {
                 stream,
                 peer,
@@ -232,10 +284,7 @@ async fn serve(engine: IoEngine, mut cmds: mpsc::Receiver<Command>, cfg: Config)
                             let _ = to.send(parts).await;
                             driver.await;
                         }
-                        Err(e) => {
-                            rejected.fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!(peer = %peer, "rejected connection: {e}");
-                        }
+                        Err(e) => setup::reject(&rejected, peer, &e),
                     }
                 });
             }
@@ -247,174 +296,4 @@ async fn serve(engine: IoEngine, mut cmds: mpsc::Receiver<Command>, cfg: Config)
     let linger = cfg.linger;
     let _ =
         tokio::time::timeout(linger, async { while tasks.join_next().await.is_some() {} }).await;
-}
-
-async fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>> {
-    let ep = Endpoint::Tcp {
-        host: host.to_owned(),
-        port,
-    };
-    if let Some(addr) = ep.socket_addr() {
-        return Ok(vec![addr]);
-    }
-    let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, port))
-        .await
-        .map_err(|e| Error::io(format!("resolving {ep}"), e))?
-        .collect();
-    if addrs.is_empty() {
-        return Err(Error::new(
-            ErrorKind::NotFound,
-            format!("{ep}: the name has no addresses"),
-        ));
-    }
-    Ok(addrs)
-}
-
-async fn connect(
-    engine: IoEngine,
-    host: &str,
-    port: u16,
-    cfg: &Config,
-) -> Result<(Parts, impl Future<Output = ()> + use<>)> {
-    let mut last = None;
-    for addr in resolve(host, port).await? {
-        let url = Endpoint::from_socket_addr(addr);
-        let socket = if addr.is_ipv4() {
-            tokio::net::TcpSocket::new_v4()
-        } else {
-            tokio::net::TcpSocket::new_v6()
-        };
-        let attempt = async {
-            let stream = socket?.connect(addr).await?;
-            stream.into_std()
-        };
-        // The deadline covers the TCP connection; the handshake has its own.
-        match tokio::time::timeout(cfg.connect_timeout, attempt).await {
-            Ok(Ok(std)) => return establish(engine, std, cfg).await,
-            Ok(Err(e)) => last = Some(Error::io(format!("connecting to {url}"), e)),
-            Err(_) => {
-                last = Some(Error::new(
-                    ErrorKind::TimedOut,
-                    format!(
-                        "connecting to {url}: no connection within {:?}",
-                        cfg.connect_timeout
-                    ),
-                ))
-            }
-        }
-    }
-    Err(last.unwrap_or_else(|| Error::new(ErrorKind::NotFound, "no address to connect to")))
-}
-
-/// Socket options, handshake, and the channel halves; returns the driver to run.
-async fn establish(
-    engine: IoEngine,
-    std: std::net::TcpStream,
-    cfg: &Config,
-) -> Result<(Parts, impl Future<Output = ()> + use<>)> {
-    let local = std
-        .local_addr()
-        .map_err(|e| Error::io("local address", e))?;
-    let peer = std.peer_addr().map_err(|e| Error::io("peer address", e))?;
-    sys::tune(&std, cfg.keepalive).map_err(|e| Error::io("setting socket options", e))?;
-    let stream =
-        Stream::from_std(engine, std).map_err(|e| Error::io("registering the socket", e))?;
-    let (peer_limits, leftover) = match conn::handshake(&stream, cfg).await {
-        Ok(r) => r,
-        Err(e) => {
-            if e.is_protocol() {
-                // Tell a hyperframes peer of another version why; harmless for anyone else.
-                let mut b = Batch::default();
-                b.push_control(&Control::Error(e.to_string()));
-                let _ =
-                    tokio::time::timeout(Duration::from_millis(200), stream.write_all(b.take()))
-                        .await;
-            }
-            // Shut the socket down before dropping it: on io_uring a read that timed out may
-            // still be pending, and the descriptor is only closed once it completes.
-            let _ = stream.shutdown(std::net::Shutdown::Both);
-            return Err(e);
-        }
-    };
-    let conn = Arc::new(Conn::new(cfg));
-    let peer_url = Endpoint::from_socket_addr(peer).to_string();
-    let parts = Parts {
-        tx: Box::new(TcpSender::new(conn.clone())),
-        rx: Box::new(TcpReceiver::new(conn.clone())),
-        transport: "tcp",
-        local: Endpoint::from_socket_addr(local).to_string(),
-        peer: peer_url.clone(),
-        peer_limits,
-        keepalive: None,
-    };
-    let driver = conn::drive(conn, Rc::new(stream), leftover, cfg.clone(), peer_url);
-    Ok((parts, driver))
-}
-
-async fn bind(host: &str, port: u16, cfg: &Config) -> Result<tokio::net::TcpListener> {
-    let addr = resolve(host, port).await?[0];
-    let backlog = cfg.accept_backlog.clamp(16, 4096) as i32;
-    let std = sys::bind_std(addr, backlog)
-        .map_err(|e| Error::io(format!("binding {}", Endpoint::from_socket_addr(addr)), e))?;
-    tokio::net::TcpListener::from_std(std).map_err(|e| Error::io("registering the listener", e))
-}
-
-async fn accept_loop(
-    listener: tokio::net::TcpListener,
-    to: mpsc::Sender<Parts>,
-    threads: Weak<IoThreads>,
-    rejected: Arc<AtomicU64>,
-) {
-    loop {
-        let accepted = tokio::select! {
-            () = to.closed() => return,
-            r = listener.accept() => r,
-        };
-        let (stream, peer) = match accepted {
-            Ok(a) => a,
-            Err(e) => {
-                // Out of descriptors and the like: say so, and do not spin.
-                tracing::warn!("accept failed: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let Ok(stream) = stream.into_std() else {
-            continue;
-        };
-        let Some(threads) = threads.upgrade() else {
-            return;
-        };
-        let cmd = Command::Adopt {
-            stream,
-            peer,
-            to: to.clone(),
-            rejected: rejected.clone(),
-        };
-        if threads.pick().send(cmd).await.is_err() {
-            return;
-        }
-    }
-}
-
-struct TcpAccept {
-    rx: mpsc::Receiver<Parts>,
-    rejected: Arc<AtomicU64>,
-    threads: Arc<IoThreads>,
-}
-
-impl AcceptHalf for TcpAccept {
-    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Parts>> {
-        self.rx.poll_recv(cx).map(|p| match p {
-            Some(mut parts) => {
-                parts.keepalive = Some(self.threads.clone());
-                Ok(parts)
-            }
-            None => Err(stopped()),
-        })
-    }
-
-    fn rejected(&self) -> u64 {
-        self.rejected.load(Ordering::Relaxed)
-    }
 }

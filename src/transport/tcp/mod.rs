@@ -9,9 +9,14 @@
 //!
 //! Control-plane work (name lookup, connect, listen, accept) uses tokio's reactor on the
 //! same threads; only the data path (read, writev) goes through io_uring.
+//!
+//! [`IoEngine::Inline`] runs the same connection driver as tasks on the caller's runtime
+//! instead (see `inline`).
 
 mod conn;
+mod inline;
 mod io_thread;
+mod setup;
 mod sys;
 
 use std::sync::{Arc, Mutex};
@@ -46,11 +51,17 @@ impl Tcp {
     }
 
     pub(crate) fn engine(&self) -> Option<IoEngine> {
+        if self.cfg.engine == IoEngine::Inline {
+            return Some(IoEngine::Inline);
+        }
         let slot = self.threads.lock().unwrap_or_else(|p| p.into_inner());
         slot.as_ref().map(|t| t.engine())
     }
 
     pub(crate) async fn connect(&self, host: &str, port: u16) -> Result<Parts> {
+        if self.cfg.engine == IoEngine::Inline {
+            return inline::connect(host, port, &self.cfg).await;
+        }
         let threads = self.threads()?;
         let mut parts = threads.connect(host, port).await?;
         parts.keepalive = Some(threads);
@@ -62,6 +73,9 @@ impl Tcp {
         host: &str,
         port: u16,
     ) -> Result<(Box<dyn AcceptHalf>, String)> {
+        if self.cfg.engine == IoEngine::Inline {
+            return inline::bind(host, port, &self.cfg).await;
+        }
         let threads = self.threads()?;
         threads.bind(host, port).await
     }
