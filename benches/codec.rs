@@ -66,20 +66,28 @@ fn decode(c: &mut Criterion) {
         for _ in 0..n {
             batch.push_message(msg.clone());
         }
-        let stream: Vec<u8> = batch.take().iter().flat_map(|c| c.iter().copied()).collect();
+        let stream: Vec<u8> = batch
+            .take()
+            .iter()
+            .flat_map(|c| c.iter().copied())
+            .collect();
         g.throughput(Throughput::Bytes((size * n) as u64));
-        g.bench_with_input(BenchmarkId::new("hyperframes", size), &stream, |b, stream| {
-            b.iter(|| {
-                let mut src = BytesMut::from(&stream[..]);
-                let mut dec = Decoder::new(Limits::default());
-                let mut got = 0;
-                while let Some(Frame::Message(m)) = dec.decode(&mut src).unwrap() {
-                    black_box(&m);
-                    got += 1;
-                }
-                assert_eq!(got, n);
-            })
-        });
+        g.bench_with_input(
+            BenchmarkId::new("hyperframes", size),
+            &stream,
+            |b, stream| {
+                b.iter(|| {
+                    let mut src = BytesMut::from(&stream[..]);
+                    let mut dec = Decoder::new(Limits::default());
+                    let mut got = 0;
+                    while let Some(Frame::Message(m)) = dec.decode(&mut src).unwrap() {
+                        black_box(&m);
+                        got += 1;
+                    }
+                    assert_eq!(got, n);
+                })
+            },
+        );
         g.bench_with_input(BenchmarkId::new("memcpy", size), &stream, |b, stream| {
             // The same copy the hyperframes case pays to fill its source buffer.
             b.iter(|| black_box(BytesMut::from(&stream[..])))
