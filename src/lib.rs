@@ -32,6 +32,28 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Channel semantics
+//!
+//! The same on every transport:
+//! * **Ordering**: messages arrive in the order they were sent, per channel and direction.
+//! * **Delivery**: [`Sender::send`] returns when the message is handed to the transport (queued
+//!   for the I/O thread, or in the peer's inproc queue); [`Sender::flush`] when every message
+//!   sent so far has reached the kernel (tcp) or the peer's queue (inproc). Nothing is ever
+//!   partially sent: a message is on the wire whole or not at all.
+//! * **Backpressure**: every queue is bounded (in messages and bytes, see
+//!   [`ContextBuilder`]). `poll_ready` is `Pending` while the transport is full, so a slow
+//!   receiver slows its sender down, through TCP's own flow control on `tcp://`.
+//! * **Half close**: [`Sender::close`] (or dropping the `Sender`) finishes this direction; the
+//!   peer's `Receiver` yields the messages sent before it, then ends (`None`). The other
+//!   direction stays open.
+//! * **Failure**: when the peer dies or the connection breaks, both halves report an error at
+//!   their next poll ([`ErrorKind::ConnectionLost`]): the
+//!   `Receiver` after the messages that arrived before the failure, the `Sender` at once.
+//!   A peer that closes cleanly is not an error; one that vanishes mid-stream is.
+//! * **Dropping the `Receiver`** tells the peer (tcp: a `STOP` frame): the peer's `Sender`
+//!   fails with [`ErrorKind::Closed`] instead of sending into the
+//!   void. Messages already in flight are discarded, counted and logged.
+//!
 //! # Organization
 //! * [`message`] — `Message`, `MsgType`, `Meta`, `Body`.
 //! * [`wire`] — the byte format of stream transports, sans-IO, specified in its docs.

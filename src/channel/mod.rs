@@ -1,24 +1,6 @@
 //! Channels: `Context` → `Listener` / `Channel` → `Sender` + `Receiver`.
 //!
-//! # Semantics (every transport)
-//! * **Ordering**: messages arrive in the order they were sent, per channel and direction.
-//! * **Delivery**: [`Sender::send`] returns when the message is handed to the transport (queued
-//!   for the I/O thread, or in the peer's inproc queue); [`Sender::flush`] when every message
-//!   sent so far has reached the kernel (tcp) or the peer's queue (inproc). Nothing is ever
-//!   partially sent: a message is on the wire whole or not at all.
-//! * **Backpressure**: every queue is bounded (in messages and bytes, see
-//!   [`ContextBuilder`]). `poll_ready` is `Pending` while the transport is full, so a slow
-//!   receiver slows its sender down, through TCP's own flow control on `tcp://`.
-//! * **Half close**: [`Sender::close`] (or dropping the `Sender`) finishes this direction; the
-//!   peer's `Receiver` yields the messages sent before it, then ends (`None`). The other
-//!   direction stays open.
-//! * **Failure**: when the peer dies or the connection breaks, both halves report an error at
-//!   their next poll ([`ErrorKind::ConnectionLost`](crate::ErrorKind::ConnectionLost)): the
-//!   `Receiver` after the messages that arrived before the failure, the `Sender` at once.
-//!   A peer that closes cleanly is not an error; one that vanishes mid-stream is.
-//! * **Dropping the `Receiver`** tells the peer (tcp: a `STOP` frame): the peer's `Sender`
-//!   fails with [`ErrorKind::Closed`](crate::ErrorKind::Closed) instead of sending into the
-//!   void. Messages already in flight are discarded, counted and logged.
+//! See the crate docs, *Channel semantics*, for what every transport guarantees.
 
 mod context;
 mod listener;
@@ -93,7 +75,8 @@ static NEXT_CHANNEL_ID: AtomicU64 = AtomicU64::new(1);
 /// A full-duplex channel: a `Sink<Message>` and a `Stream<Item = Result<Message>>`.
 ///
 /// [`split`](Channel::split) it to send and receive from different tasks; the halves share no
-/// lock. See the [module docs](self) for ordering, backpressure, close and failure.
+/// lock. See [the crate docs](crate#channel-semantics) for ordering, backpressure, close
+/// and failure.
 pub struct Channel {
     tx: Sender,
     rx: Receiver,

@@ -50,7 +50,7 @@
 //!             body              body_len bytes
 //! ```
 //!
-//! * `MESSAGE` carries one [`Message`](crate::Message).
+//! * `MESSAGE` carries one [`Message`].
 //! * `CLOSE`: the sender will send nothing more (half close). The receiver's stream ends after
 //!   the frames before it. A connection that ends *without* `CLOSE` is reported as lost: this
 //!   is how a crashed peer is told apart from a finished one.
