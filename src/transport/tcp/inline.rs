@@ -56,7 +56,7 @@ pub(super) async fn bind(
         setup::accept_loop(listener, tx, &cfg, |stream, peer| {
             let (to, cfg, counter) = (to.clone(), cfg.clone(), counter.clone());
             spawner.spawn(async move {
-                let Ok((local, peer)) = setup::addrs(&stream).map(|(l, _)| (l, peer)) else {
+                let Ok((local, _)) = setup::addrs(&stream) else {
                     return;
                 };
                 match setup::establish(EpollStream::new(stream), local, peer, &cfg).await {
