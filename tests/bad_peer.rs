@@ -769,7 +769,20 @@ async fn good_raw_peer_matches_the_documented_layout(engine: IoEngine) {
         });
     ch.send(reply).await.unwrap();
     guard("close", ch.close()).await.unwrap();
-    let got = read_to_eof(&mut raw).await;
+    // After CLOSE the write side stays open while a STOP may still be owed: read up to the
+    // CLOSE frame, not to EOF.
+    let mut got = Vec::new();
+    guard("reading up to our CLOSE", async {
+        let mut buf = [0u8; 4096];
+        while !(got.len() >= hyperframes::wire::HANDSHAKE_LEN + 24
+            && got[got.len() - 24..] == head(2, 0, 0, 0, 0, 0))
+        {
+            let n = raw.read(&mut buf).await.unwrap();
+            assert!(n > 0, "EOF before our CLOSE frame");
+            got.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await;
     let frames = parse_frames(strip_our_handshake(&got, ctx.limits()));
     assert_eq!(frames.len(), 2, "{frames:?}");
     let m = &frames[0];
@@ -794,4 +807,7 @@ async fn good_raw_peer_matches_the_documented_layout(engine: IoEngine) {
     // The raw peer closes cleanly: the stream ends without an error.
     raw.write_all(&head(2, 0, 0, 0, 0, 0)).await.unwrap();
     assert!(guard("recv", ch.recv()).await.is_none());
+    // Both directions are finished: our side shuts down and the raw peer reads EOF.
+    drop(ch);
+    assert!(read_to_eof(&mut raw).await.is_empty());
 }

@@ -167,7 +167,12 @@ impl Pipe {
 
     /// Messages queued now (approximate while both sides run).
     pub(crate) fn len(&self) -> u64 {
-        self.pushed.msgs.load(Ordering::Acquire) - self.popped.msgs.load(Ordering::Acquire)
+        // The consumer may count a pop before the producer's count of that push is visible.
+        let popped = self.popped.msgs.load(Ordering::Acquire);
+        self.pushed
+            .msgs
+            .load(Ordering::Acquire)
+            .saturating_sub(popped)
     }
 }
 
@@ -381,7 +386,17 @@ impl Stager {
         self.staged_bytes = 0;
         // The slot was reserved by `poll_ready`: with at most `max_msgs` messages queued there
         // are at most `max_msgs` items, and the queue has `max_msgs + 1` slots.
-        if self.producer.push(item).is_err() {
+        if let Err(item) = self.producer.push(item) {
+            // Unreachable unless `stage` was called without `poll_ready` (a broken Sink
+            // contract); say so loudly rather than lose messages silently.
+            let n = match &item {
+                Item::One(_) => 1,
+                Item::Many(v) => v.len(),
+            };
+            tracing::error!(
+                messages = n,
+                "send queue full at hand-over: messages dropped (start_send without poll_ready?)"
+            );
             debug_assert!(false, "a staged batch found no slot");
         }
     }

@@ -51,11 +51,18 @@
 //! ```
 //!
 //! * `MESSAGE` carries one [`Message`].
-//! * `CLOSE`: the sender will send nothing more (half close). The receiver's stream ends after
-//!   the frames before it. A connection that ends *without* `CLOSE` is reported as lost: this
-//!   is how a crashed peer is told apart from a finished one.
+//! * `CLOSE`: the sender will send no more messages (half close). The receiver's stream ends
+//!   after the frames before it. A connection that ends *without* `CLOSE` is reported as lost:
+//!   this is how a crashed peer is told apart from a finished one. Only `STOP` or `ERROR` may
+//!   follow a `CLOSE`; a `MESSAGE` after it is a protocol error.
 //! * `STOP`: the sender's receiving half is gone; what it receives from now on is discarded
 //!   (and counted). The other side's sending half fails with `Closed`.
+//!
+//! A side shuts down its write direction (TCP FIN) once it will send nothing at all: after its
+//! `CLOSE`, when its receiving half is gone (having sent `STOP` if the stream had not ended) or
+//! the peer has finished. Before closing the socket it reads what the peer still sends until
+//! the peer's FIN (for a bounded time), so that closing never resets a connection whose last
+//! bytes the peer has not read yet.
 //! * `ERROR`: the body is a UTF-8 reason (at most 1024 bytes); the sender closes next.
 //!
 //! The type is 1 to 255 bytes of `A-Z a-z 0-9 _ - .` forming non-empty dot-separated segments.

@@ -12,6 +12,7 @@
 //! frame of a read zero-copy, hands them over as one batch, and pauses reading while `inp` is
 //! full, which backpressures the peer through TCP's window.
 
+use std::future::Future;
 use std::io;
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,7 +25,7 @@ use futures_util::future::poll_fn;
 
 use super::sys::Io;
 use crate::error::Result;
-use crate::transport::pipe::{Consumer, Item, Pipe, Producer, Stager, Unbatcher};
+use crate::transport::pipe::{Consumer, Item, Pipe, Producer, Signal, Stager, Unbatcher};
 use crate::transport::{Config, RecvHalf, SendHalf};
 use crate::wire::{Batch, Control, Decoder, Frame, HANDSHAKE_LEN, Handshake, Limits};
 use crate::{Error, ErrorKind, Message};
@@ -44,21 +45,26 @@ pub(crate) struct Conn {
     out: Arc<Pipe>,
     /// Read loop → Receiver.
     inp: Arc<Pipe>,
-    /// The failure that ended the connection; reported by both halves.
+    /// The failure that ended the connection; the Sender reports it.
     error: OnceLock<Error>,
+    /// The same failure for the Receiver, set only if the peer had not closed its direction
+    /// cleanly before: a stream that ended cleanly stays clean.
+    recv_error: OnceLock<Error>,
     /// A reason to send the peer in an `ERROR` frame before closing.
     notify_peer: Mutex<Option<String>>,
     /// Messages the write loop has handed to the kernel.
     written: AtomicU64,
-    /// The `CLOSE` frame is written and the write side shut down.
+    /// The `CLOSE` frame is written.
     close_done: AtomicBool,
     /// The peer sent `STOP`: it no longer reads.
     peer_stopped: AtomicBool,
-    /// Our Receiver is gone: the write loop owes the peer a `STOP`.
+    /// Our Receiver is gone before the stream ended: the write loop owes the peer a `STOP`.
     stop_owed: AtomicBool,
-    /// The write loop has finished.
+    /// The write loop has finished (and shut down the write side).
     writer_done: AtomicBool,
-    /// Messages received after our Receiver was dropped.
+    /// The read loop has finished.
+    reader_done: AtomicBool,
+    /// Messages received that no Receiver will see (it was dropped).
     discarded: AtomicU64,
 }
 
@@ -68,12 +74,14 @@ impl Conn {
             out: Pipe::new(cfg.send_queue, cfg.send_queue_bytes),
             inp: Pipe::new(cfg.recv_queue, cfg.recv_queue_bytes),
             error: OnceLock::new(),
+            recv_error: OnceLock::new(),
             notify_peer: Mutex::new(None),
             written: AtomicU64::new(0),
             close_done: AtomicBool::new(false),
             peer_stopped: AtomicBool::new(false),
             stop_owed: AtomicBool::new(false),
             writer_done: AtomicBool::new(false),
+            reader_done: AtomicBool::new(false),
             discarded: AtomicU64::new(0),
         }
     }
@@ -86,15 +94,22 @@ impl Conn {
         self.error.get().is_some()
     }
 
-    /// Ends the connection with `err` (the first failure wins) and wakes everyone.
+    /// Ends the connection with `err` (the first failure wins) and wakes everyone. Called
+    /// only from the driver's task (its loops, or its drop guard).
     pub(crate) fn fail(&self, err: Error, tell_peer: bool) {
         let reason = tell_peer.then(|| err.to_string());
+        if !self.inp.is_tx_closed() {
+            // The read loop, the only other closer of `inp`, runs in this same task: no race.
+            let _ = self.recv_error.set(err.duplicate());
+        }
         if self.error.set(err).is_ok()
             && let Some(r) = reason
         {
             *self.notify_peer.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
         }
         self.inp.close_tx();
+        // Releases a Sender waiting for room: it looks again and finds the error.
+        self.out.close_rx();
         self.wake_all();
     }
 
@@ -174,7 +189,12 @@ impl SendHalf for TcpSender {
         match self.out.poll_ready(cx) {
             // Woken by a failure or STOP as well as by room: look again.
             Poll::Ready(()) => Poll::Ready(self.check()),
-            Poll::Pending => Poll::Pending,
+            // The waker is registered now: a failure or STOP that came before (and so woke
+            // nobody) is visible here, one that comes after wakes us.
+            Poll::Pending => match self.check() {
+                Err(e) => Poll::Ready(Err(e)),
+                Ok(()) => Poll::Pending,
+            },
         }
     }
 
@@ -231,7 +251,7 @@ impl RecvHalf for TcpReceiver {
             Poll::Ready(Some(m)) => Poll::Ready(Some(Ok(m))),
             Poll::Ready(None) => {
                 self.done = true;
-                Poll::Ready(self.conn.error().map(Err))
+                Poll::Ready(self.conn.recv_error.get().map(|e| Err(e.duplicate())))
             }
             Poll::Pending => Poll::Pending,
         }
@@ -241,11 +261,16 @@ impl RecvHalf for TcpReceiver {
 impl Drop for TcpReceiver {
     fn drop(&mut self) {
         // (`inp` closes the pipe when it drops, after this.)
+        let left = self.inp.pipe().len() + self.inp.buffered() as u64;
+        if left > 0 {
+            self.conn.discarded.fetch_add(left, Ordering::Relaxed);
+        }
         if !self.done {
             // Tell the peer to stop sending (unless the stream already ended).
             self.conn.stop_owed.store(true, Ordering::Release);
-            self.conn.out.to_consumer.wake();
         }
+        // The write loop may be waiting for this half to go (after its CLOSE).
+        self.conn.out.to_consumer.wake();
     }
 }
 
@@ -306,7 +331,34 @@ pub(crate) async fn handshake<S: Io>(stream: &S, cfg: &Config) -> Result<(Limits
 }
 
 /// Runs a connection until both directions are finished or it fails.
-pub(crate) async fn drive<S: Io>(
+///
+/// How it ends when nothing fails:
+/// * the write loop sends what the Sender queued, then `CLOSE` once the Sender is closed or
+///   dropped. It keeps the write side open after that until our Receiver is gone (sending the
+///   `STOP` it owes, if any) or the peer has finished, then shuts it down (FIN);
+/// * the read loop hands messages to the Receiver until the peer's `CLOSE`, then keeps reading
+///   (only `STOP` or `ERROR` may follow) until the peer's EOF;
+/// * once both user halves are gone and the write loop is done, the read loop drains what the
+///   peer still sends until its EOF (for at most `linger`), so that closing the socket never
+///   resets a connection whose last bytes the peer has not read yet (a reset destroys them).
+pub(crate) fn drive<S: Io>(
+    conn: Arc<Conn>,
+    stream: S,
+    src: BytesMut,
+    cfg: Config,
+    peer: String,
+) -> impl Future<Output = ()> {
+    // Made before the future, so that dropping it unpolled (its runtime shut down before the
+    // task ever ran) fails the connection too.
+    let guard = FailOnDrop {
+        conn: conn.clone(),
+        armed: true,
+    };
+    run(guard, conn, stream, src, cfg, peer)
+}
+
+async fn run<S: Io>(
+    mut guard: FailOnDrop,
     conn: Arc<Conn>,
     stream: S,
     src: BytesMut,
@@ -315,19 +367,19 @@ pub(crate) async fn drive<S: Io>(
 ) {
     let reader = async {
         let mut inp = Producer::new(conn.inp.clone());
-        match read_loop(&conn, &mut inp, &stream, src, &cfg).await {
-            Ok(()) => inp.close(),
-            Err((e, tell_peer)) => {
-                if conn.failed() {
-                    // The write side failed first and said why; this is the reader stopping.
-                } else if e.kind() != ErrorKind::ConnectionLost {
-                    tracing::warn!(peer = %peer, "closing connection: {e}");
-                } else {
-                    tracing::debug!(peer = %peer, "connection lost: {e}");
-                }
-                conn.fail(e, tell_peer);
+        if let Err((e, tell_peer)) = read_loop(&conn, &mut inp, &stream, src, &cfg).await {
+            if conn.failed() {
+                // The write side failed first and said why; this is the reader stopping.
+            } else if e.kind() != ErrorKind::ConnectionLost {
+                tracing::warn!(peer = %peer, "closing connection: {e}");
+            } else {
+                tracing::debug!(peer = %peer, "connection lost: {e}");
             }
+            conn.fail(e, tell_peer);
         }
+        inp.close();
+        conn.reader_done.store(true, Ordering::Release);
+        conn.out.to_consumer.wake(); // the write loop may be waiting for the reader
     };
     let writer = async {
         let mut out = Consumer::new(conn.out.clone());
@@ -336,21 +388,47 @@ pub(crate) async fn drive<S: Io>(
             conn.fail(e, false);
         }
         conn.writer_done.store(true, Ordering::Release);
-        conn.inp.to_producer.wake();
+        conn.inp.to_producer.wake(); // the read loop may be waiting for the writer
     };
     futures_util::future::join(reader, writer).await;
+    guard.armed = false;
     let discarded = conn.discarded.load(Ordering::Relaxed);
     if discarded > 0 {
-        tracing::info!(peer = %peer, discarded, "connection ended; messages received after the receiver was dropped were discarded");
+        tracing::info!(peer = %peer, discarded, "connection ended; messages no receiver read were discarded");
     }
     let _ = stream.shutdown(Shutdown::Both);
 }
 
-/// Ready when the read loop must stop: the connection failed, or both user halves are gone
-/// and the write loop has finished.
+/// Fails the connection if its driver is dropped before finishing (its I/O thread or
+/// runtime shut down, or it panicked), so that the user halves report it instead of waiting.
+struct FailOnDrop {
+    conn: Arc<Conn>,
+    armed: bool,
+}
+
+impl Drop for FailOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            self.conn.fail(
+                Error::new(
+                    ErrorKind::Unavailable,
+                    "the connection's driver stopped: its I/O thread or runtime shut down",
+                ),
+                false,
+            );
+        }
+    }
+}
+
+/// Both user halves are gone and the write loop is done.
+fn local_done(c: &Conn) -> bool {
+    c.inp.is_rx_closed() && c.writer_done.load(Ordering::Acquire)
+}
+
+/// Ready when the read loop must stop reading frames: the connection failed, or
+/// [`local_done`].
 fn poll_stop(conn: &Conn, cx: &mut Context<'_>) -> Poll<()> {
-    let stop =
-        |c: &Conn| c.failed() || (c.inp.is_rx_closed() && c.writer_done.load(Ordering::Acquire));
+    let stop = |c: &Conn| c.failed() || local_done(c);
     if stop(conn) {
         return Poll::Ready(());
     }
@@ -370,6 +448,10 @@ fn protocol(e: impl std::fmt::Display) -> LoopError {
     (Error::new(ErrorKind::Protocol, e.to_string()), true)
 }
 
+fn stopped() -> LoopError {
+    (Error::new(ErrorKind::Closed, "connection closed"), false)
+}
+
 async fn read_loop<S: Io>(
     conn: &Conn,
     inp: &mut Producer,
@@ -378,9 +460,9 @@ async fn read_loop<S: Io>(
     cfg: &Config,
 ) -> Result<(), LoopError> {
     let mut dec = Decoder::new(cfg.limits);
-    let stopped = || (Error::new(ErrorKind::Closed, "connection closed"), false);
     let batch_max = DELIVER_MAX.min(cfg.recv_queue).max(1);
     let mut batch: Vec<Message> = Vec::new();
+    let mut peer_closed = false;
     loop {
         // Hand out every complete frame, in batches.
         loop {
@@ -391,8 +473,15 @@ async fn read_loop<S: Io>(
                     .map_err(|()| stopped())?;
             }
             match frame {
+                Ok(Some(Frame::Message(_))) if peer_closed => {
+                    return Err(protocol("the peer sent a message after its CLOSE frame"));
+                }
                 Ok(Some(Frame::Message(m))) => batch.push(m),
-                Ok(Some(Frame::Control(Control::Close))) => return Ok(()),
+                Ok(Some(Frame::Control(Control::Close))) => {
+                    // The Receiver ends here; keep reading for a STOP or the EOF.
+                    peer_closed = true;
+                    inp.close();
+                }
                 Ok(Some(Frame::Control(Control::Stop))) => {
                     conn.peer_stopped.store(true, Ordering::Release);
                     conn.out.to_producer.wake();
@@ -409,6 +498,12 @@ async fn read_loop<S: Io>(
                 Ok(None) => break,
                 Err(e) => return Err(protocol(e)),
             }
+        }
+        if conn.failed() {
+            return Err(stopped());
+        }
+        if local_done(conn) {
+            return drain(conn, stream, cfg).await;
         }
         let mid_frame = !dec.is_at_boundary(&src);
         let read = async {
@@ -440,7 +535,14 @@ async fn read_loop<S: Io>(
         };
         let res = tokio::select! {
             biased;
-            () = poll_fn(|cx| poll_stop(conn, cx)) => return Err(stopped()),
+            // The read in flight is abandoned with its buffer: from here on only failing or
+            // draining, neither of which decodes again.
+            () = poll_fn(|cx| poll_stop(conn, cx)) => {
+                if conn.failed() {
+                    return Err(stopped());
+                }
+                return drain(conn, stream, cfg).await;
+            }
             r = timed => r,
         };
         match res {
@@ -465,6 +567,7 @@ async fn read_loop<S: Io>(
                     false,
                 ));
             }
+            Some(Ok(0)) if peer_closed => return Ok(()),
             Some(Ok(0)) => {
                 return Err((
                     Error::new(
@@ -480,8 +583,53 @@ async fn read_loop<S: Io>(
     }
 }
 
+/// Nothing local will read or write any more: reads and discards what the peer still sends
+/// until its EOF, for at most `linger`, so that the socket is not closed with unread data
+/// (which makes the kernel reset the connection and can destroy what the peer has received
+/// from us but not read yet).
+async fn drain<S: Io>(conn: &Conn, stream: &S, cfg: &Config) -> Result<(), LoopError> {
+    const CHUNK: usize = 64 << 10;
+    let deadline = tokio::time::Instant::now() + cfg.linger;
+    let mut buf = BytesMut::with_capacity(CHUNK);
+    let mut bytes = 0usize;
+    loop {
+        buf.clear();
+        let read = stream.read(std::mem::take(&mut buf), CHUNK);
+        let res = tokio::select! {
+            biased;
+            () = poll_fn(|cx| poll_failed(&conn.inp.to_producer, conn, cx)) => return Ok(()),
+            r = tokio::time::timeout_at(deadline, read) => r,
+        };
+        match res {
+            Ok((Ok(n), b)) if n > 0 => {
+                bytes += n;
+                buf = b;
+            }
+            Ok(_) => return Ok(()), // EOF or an error: the peer is done either way
+            Err(_) => {
+                tracing::debug!(bytes, "peer still sending after the linger time; closing");
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Ready once the connection has failed; waits on `signal`, which `Conn::fail` wakes.
+fn poll_failed(signal: &Signal, conn: &Conn, cx: &mut Context<'_>) -> Poll<()> {
+    if conn.failed() {
+        return Poll::Ready(());
+    }
+    signal.arm(cx);
+    if conn.failed() {
+        signal.disarm();
+        return Poll::Ready(());
+    }
+    Poll::Pending
+}
+
 /// Hands the decoded `batch` to the Receiver, waiting for room (which pauses reading and so
-/// backpressures the peer). `Err` when the connection must stop.
+/// backpressures the peer). Counts it as discarded when the Receiver is gone. `Err` when the
+/// connection failed.
 async fn deliver(conn: &Conn, inp: &mut Producer, batch: &mut Vec<Message>) -> Result<(), ()> {
     if batch.is_empty() {
         return Ok(());
@@ -543,6 +691,59 @@ fn poll_work(conn: &Conn, cx: &mut Context<'_>) -> Poll<Work> {
     }
 }
 
+enum AfterClose {
+    Stop,
+    Done,
+    Failed,
+}
+
+/// After our `CLOSE`: waits until a `STOP` is owed, or nothing more can be (our Receiver is
+/// gone, or the peer finished), or the connection failed.
+fn poll_after_close(conn: &Conn, cx: &mut Context<'_>) -> Poll<AfterClose> {
+    let check = |c: &Conn| {
+        if c.failed() {
+            Some(AfterClose::Failed)
+        } else if c.stop_owed.swap(false, Ordering::AcqRel) {
+            Some(AfterClose::Stop)
+        } else if c.inp.is_rx_closed() || c.reader_done.load(Ordering::Acquire) {
+            Some(AfterClose::Done)
+        } else {
+            None
+        }
+    };
+    if let Some(w) = check(conn) {
+        return Poll::Ready(w);
+    }
+    conn.out.to_consumer.arm(cx);
+    match check(conn) {
+        Some(w) => {
+            conn.out.to_consumer.disarm();
+            Poll::Ready(w)
+        }
+        None => Poll::Pending,
+    }
+}
+
+/// Writes `bufs` unless the connection fails first. `Ok(false)`: it failed; the socket is
+/// shut down, which also ends a write stuck on a peer that does not read.
+async fn send<S: Io>(conn: &Conn, stream: &S, bufs: Vec<bytes::Bytes>) -> Result<bool> {
+    tokio::select! {
+        biased;
+        () = poll_fn(|cx| poll_failed(&conn.out.to_consumer, conn, cx)) => {
+            let _ = stream.shutdown(Shutdown::Both);
+            Ok(false)
+        }
+        r = stream.write_all(bufs) => r.map(|()| true).map_err(|e| {
+            if e.kind() == io::ErrorKind::BrokenPipe || e.kind() == io::ErrorKind::ConnectionReset {
+                Error::new(ErrorKind::ConnectionLost, "the peer closed the connection")
+                    .with_source(e)
+            } else {
+                Error::io("writing to the peer", e)
+            }
+        }),
+    }
+}
+
 async fn write_loop<S: Io>(conn: &Conn, out: &mut Consumer, stream: &S) -> Result<()> {
     let mut batch = Batch::default();
     let mut written: u64 = 0;
@@ -569,17 +770,7 @@ async fn write_loop<S: Io>(conn: &Conn, out: &mut Consumer, stream: &S) -> Resul
                     }
                     return Ok(());
                 }
-                Work::Closed => {
-                    batch.push_control(&Control::Close);
-                    stream
-                        .write_all(batch.take())
-                        .await
-                        .map_err(|e| Error::io("sending the close frame", e))?;
-                    let _ = stream.shutdown(Shutdown::Write);
-                    conn.close_done.store(true, Ordering::Release);
-                    conn.out.to_producer.wake();
-                    return Ok(());
-                }
+                Work::Closed => break,
                 Work::Ready => {}
             }
         }
@@ -601,16 +792,64 @@ async fn write_loop<S: Io>(conn: &Conn, out: &mut Consumer, stream: &S) -> Resul
         }
         out.notify_producer(); // room was freed
         let n = batch.messages() as u64;
-        stream.write_all(batch.take()).await.map_err(|e| {
-            if e.kind() == io::ErrorKind::BrokenPipe || e.kind() == io::ErrorKind::ConnectionReset {
-                Error::new(ErrorKind::ConnectionLost, "the peer closed the connection")
-                    .with_source(e)
-            } else {
-                Error::io("writing to the peer", e)
-            }
-        })?;
+        if !send(conn, stream, batch.take()).await? {
+            return Ok(());
+        }
         written += n;
         conn.written.store(written, Ordering::Release);
         conn.out.to_producer.notify(); // flush progress
+    }
+    // Closing: CLOSE, then keep the write side open while a STOP may still be owed.
+    batch.push_control(&Control::Close);
+    if !send(conn, stream, batch.take()).await? {
+        return Ok(());
+    }
+    conn.close_done.store(true, Ordering::Release);
+    conn.out.to_producer.wake();
+    loop {
+        match poll_fn(|cx| poll_after_close(conn, cx)).await {
+            AfterClose::Failed => return Ok(()),
+            AfterClose::Stop => {
+                batch.push_control(&Control::Stop);
+                if !send(conn, stream, batch.take()).await? {
+                    return Ok(());
+                }
+            }
+            AfterClose::Done => break,
+        }
+    }
+    let _ = stream.shutdown(Shutdown::Write);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::task::noop_waker_ref;
+
+    /// The interleaving a review found: the Sender's check passes, the connection fails
+    /// (waking nobody yet), then the Sender waits for room. The wait must see the failure.
+    #[test]
+    fn a_failure_between_check_and_wait_releases_the_sender() {
+        let cfg = Config {
+            send_queue: 1,
+            ..Config::default()
+        };
+        let conn = Arc::new(Conn::new(&cfg));
+        let mut tx = TcpSender::new(conn.clone());
+        let mut cx = Context::from_waker(noop_waker_ref());
+        assert!(matches!(tx.poll_ready(&mut cx), Poll::Ready(Ok(()))));
+        tx.start_send(Message::new("t").unwrap()).unwrap();
+        tx.submit(); // the pipe (one message) is full now
+        assert!(tx.check().is_ok());
+        conn.fail(Error::new(ErrorKind::ConnectionLost, "gone"), false);
+        assert!(
+            tx.out.poll_ready(&mut cx).is_ready(),
+            "the wait for room sees it"
+        );
+        match tx.poll_ready(&mut cx) {
+            Poll::Ready(Err(e)) => assert_eq!(e.kind(), ErrorKind::ConnectionLost),
+            other => panic!("expected the failure, got {other:?}"),
+        }
     }
 }
