@@ -67,6 +67,7 @@ compile_error!("hyperframes supports 64-bit targets only");
 
 mod channel;
 mod error;
+mod loom;
 pub mod message;
 mod transport;
 mod url;
@@ -77,6 +78,6 @@ pub use channel::{
     Sender,
 };
 pub use error::{Error, ErrorKind, Result};
-pub use message::{Body, Flags, Header, Message, Meta, MsgType};
+pub use message::{Body, BodyMut, Flags, Header, Message, Meta, MsgType};
 pub use url::Endpoint;
 pub use wire::Limits;

@@ -23,9 +23,15 @@ pub enum Endpoint {
         /// The name.
         name: String,
     },
+    /// `shm://name` (a socket in the user's runtime directory) or `shm:///abs/path.sock`:
+    /// shared memory between processes on this host.
+    Shm {
+        /// The name, or the absolute socket path (starting with `/`).
+        name: String,
+    },
 }
 
-const SCHEMES: &str = "tcp://, inproc://";
+const SCHEMES: &str = "tcp://, shm://, inproc://";
 
 fn invalid(url: &str, why: impl fmt::Display) -> Error {
     Error::new(ErrorKind::InvalidUrl, format!("{url:?}: {why}"))
@@ -53,7 +59,28 @@ impl Endpoint {
                     name: rest.to_owned(),
                 })
             }
-            "shm" | "rdma" => Err(Error::new(
+            "shm" => {
+                let ok = if let Some(path) = rest.strip_prefix('/') {
+                    !path.is_empty() && !rest.contains('\0') && rest.len() <= 100
+                } else {
+                    (1..=64).contains(&rest.len())
+                        && rest
+                            .bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+                        && !rest.starts_with('.')
+                };
+                if !ok {
+                    return Err(invalid(
+                        url,
+                        "a shm name is 1 to 64 of A-Z a-z 0-9 . _ - (not starting with .), \
+                         or an absolute socket path as in shm:///run/app.sock",
+                    ));
+                }
+                Ok(Endpoint::Shm {
+                    name: rest.to_owned(),
+                })
+            }
+            "rdma" => Err(Error::new(
                 ErrorKind::UnsupportedScheme,
                 format!(
                     "{url:?}: the {scheme}:// transport is not available in this build (supported: {SCHEMES})"
@@ -71,6 +98,7 @@ impl Endpoint {
         match self {
             Endpoint::Tcp { .. } => "tcp",
             Endpoint::Inproc { .. } => "inproc",
+            Endpoint::Shm { .. } => "shm",
         }
     }
 
@@ -81,7 +109,7 @@ impl Endpoint {
                 .parse::<IpAddr>()
                 .ok()
                 .map(|ip| SocketAddr::new(ip, *port)),
-            Endpoint::Inproc { .. } => None,
+            Endpoint::Inproc { .. } | Endpoint::Shm { .. } => None,
         }
     }
 
@@ -154,6 +182,7 @@ impl fmt::Display for Endpoint {
             }
             Endpoint::Tcp { host, port } => write!(f, "tcp://{host}:{port}"),
             Endpoint::Inproc { name } => write!(f, "inproc://{name}"),
+            Endpoint::Shm { name } => write!(f, "shm://{name}"),
         }
     }
 }
@@ -169,6 +198,8 @@ mod tests {
             ("TCP://[::1]:0", "tcp://[::1]:0"),
             ("tcp://example.org:80/", "tcp://example.org:80"),
             ("inproc://pipeline/stage-1", "inproc://pipeline/stage-1"),
+            ("shm://frames", "shm://frames"),
+            ("shm:///run/app.sock", "shm:///run/app.sock"),
         ] {
             assert_eq!(Endpoint::parse(url).unwrap().to_string(), canon);
         }
@@ -191,6 +222,8 @@ mod tests {
             ("inproc://", ErrorKind::InvalidUrl, "inproc name"),
             ("udp://x:1", ErrorKind::UnsupportedScheme, "unknown scheme"),
             ("rdma://x:1", ErrorKind::UnsupportedScheme, "not available"),
+            ("shm://a/b", ErrorKind::InvalidUrl, "shm name"),
+            ("shm://", ErrorKind::InvalidUrl, "shm name"),
         ] {
             let e = Endpoint::parse(url).unwrap_err();
             assert_eq!(e.kind(), kind, "{url}");

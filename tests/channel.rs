@@ -16,6 +16,7 @@ enum T {
     Uring,
     Epoll,
     Inline,
+    Shm,
 }
 
 static NAME: AtomicUsize = AtomicUsize::new(0);
@@ -29,6 +30,7 @@ impl T {
             T::Uring => b.io_engine(IoEngine::Uring).build().unwrap(),
             T::Epoll => b.io_engine(IoEngine::Epoll).build().unwrap(),
             T::Inline => b.io_engine(IoEngine::Inline).build().unwrap(),
+            T::Shm => b.shm_segment(256, 1 << 20).build().unwrap(),
         }
     }
 
@@ -36,11 +38,16 @@ impl T {
         match self {
             T::Inproc => format!("inproc://chan-{}", NAME.fetch_add(1, Ordering::Relaxed)),
             T::Uring | T::Epoll | T::Inline => "tcp://127.0.0.1:0".into(),
+            T::Shm => format!(
+                "shm://chan-{}-{}",
+                std::process::id(),
+                NAME.fetch_add(1, Ordering::Relaxed)
+            ),
         }
     }
 
     fn is_tcp(self) -> bool {
-        !matches!(self, T::Inproc)
+        matches!(self, T::Uring | T::Epoll | T::Inline)
     }
 }
 
@@ -307,12 +314,12 @@ async fn sink_and_stream_traits(t: T) {
     let (_ctx, c, s) = pair(t).await;
     let (mut tx, _) = c.split();
     let (_, rx) = s.split();
+    // Receive concurrently: 500 messages need not fit in the transport's buffers.
+    let reader = tokio::spawn(rx.map(|m| seq(&m.unwrap())).collect::<Vec<_>>());
     let mut items = futures_util::stream::iter((0..500).map(|i| Ok(msg(i, 64))));
     tx.send_all(&mut items).await.unwrap();
     SinkExt::close(&mut tx).await.unwrap();
-    let got: Vec<_> = timeout(GUARD, rx.map(|m| seq(&m.unwrap())).collect::<Vec<_>>())
-        .await
-        .unwrap();
+    let got = timeout(GUARD, reader).await.unwrap().unwrap();
     assert_eq!(got, (0..500).collect::<Vec<_>>());
 }
 
@@ -426,6 +433,7 @@ macro_rules! suite {
         mod tcp_uring { $( #[tokio::test] async fn $name() { super::$name(super::T::Uring).await } )* }
         mod tcp_epoll { $( #[tokio::test] async fn $name() { super::$name(super::T::Epoll).await } )* }
         mod tcp_inline { $( #[tokio::test] async fn $name() { super::$name(super::T::Inline).await } )* }
+        mod shm { $( #[tokio::test] async fn $name() { super::$name(super::T::Shm).await } )* }
     };
 }
 

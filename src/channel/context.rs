@@ -196,6 +196,30 @@ impl ContextBuilder {
         self
     }
 
+    /// Never park: a side waiting for data or room polls instead of sleeping on an eventfd
+    /// (`shm://`), trading a core for the lowest latency. Default off: spin briefly, then park.
+    pub fn busy_poll(mut self, on: bool) -> Self {
+        self.cfg.busy_poll = on;
+        self
+    }
+
+    /// The shared-memory segment this side creates for each `shm://` connection it accepts:
+    /// descriptors per direction (a power of two; default 4096) and body arena bytes per
+    /// direction (a multiple of 4 KiB; default 32 MiB). Bodies larger than the arena travel
+    /// as memfds of their own.
+    pub fn shm_segment(mut self, ring_entries: u32, arena_bytes: u64) -> Self {
+        self.cfg.shm_ring_entries = ring_entries;
+        self.cfg.shm_arena_bytes = arena_bytes;
+        self
+    }
+
+    /// Accept `shm://` peers running as any user. Default: only this process's own user
+    /// (checked with `SO_PEERCRED`).
+    pub fn shm_allow_any_user(mut self, allow: bool) -> Self {
+        self.cfg.shm_any_uid = allow;
+        self
+    }
+
     /// Checks the settings and makes the context.
     pub fn build(mut self) -> Result<Context> {
         self.cfg.engine = self.env_engine?;
@@ -216,6 +240,19 @@ impl ContextBuilder {
         }
         if c.send_queue > 1 << 20 || c.recv_queue > 1 << 20 {
             return bad("queues hold at most 1 Mi messages".into());
+        }
+        if !c.shm_ring_entries.is_power_of_two() || c.shm_ring_entries > 1 << 20 {
+            return bad(format!(
+                "shm ring entries is {}; use a power of two up to 2^20",
+                c.shm_ring_entries
+            ));
+        }
+        if c.shm_arena_bytes < 4096 || c.shm_arena_bytes % 4096 != 0 || c.shm_arena_bytes > 1 << 40
+        {
+            return bad(format!(
+                "shm arena is {} bytes; use a multiple of 4096 between 4 KiB and 1 TiB",
+                c.shm_arena_bytes
+            ));
         }
         if c.handshake_timeout.is_zero() || c.connect_timeout.is_zero() || c.stall_timeout.is_zero()
         {

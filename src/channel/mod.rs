@@ -164,6 +164,11 @@ impl Channel {
         self.tx.send(msg).await
     }
 
+    /// See [`Sender::alloc`].
+    pub async fn alloc(&mut self, len: usize) -> Result<crate::BodyMut> {
+        self.tx.alloc(len).await
+    }
+
     /// See [`Sender::flush`].
     pub async fn flush(&mut self) -> Result<()> {
         self.tx.flush().await
@@ -217,8 +222,36 @@ impl Sender {
     pub async fn send(&mut self, msg: Message) -> Result<()> {
         poll_fn(|cx| self.poll_ready_inner(cx)).await?;
         self.start_send_inner(msg)?;
-        self.half.submit();
-        Ok(())
+        poll_fn(|cx| self.half.poll_submit(cx)).await
+    }
+
+    /// Memory for a body of `len` bytes, to fill in place and send without a copy: a block of
+    /// the shared-memory arena on `shm://` (waiting for room, which is backpressure), heap
+    /// memory on other transports. Fails with [`ErrorKind::LimitExceeded`] when `len` exceeds
+    /// what the peer accepts.
+    ///
+    /// ```no_run
+    /// # async fn f(tx: &mut hyperframes::Sender) -> hyperframes::Result<()> {
+    /// let mut body = tx.alloc(4 << 20).await?;
+    /// body.fill(7); // produce the data where the receiver will read it
+    /// tx.send(hyperframes::Message::new("frame")?.with_body(body.freeze())).await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    /// Cancel safe: memory not yet handed out is not taken.
+    pub async fn alloc(&mut self, len: usize) -> Result<crate::BodyMut> {
+        let max = self.info.peer_limits.max_body;
+        if len as u64 > max {
+            return Err(Error::new(
+                ErrorKind::LimitExceeded,
+                format!(
+                    "a body of {len} bytes exceeds the max_body of {max} that {} accepts",
+                    self.info.peer
+                ),
+            ));
+        }
+        poll_fn(|cx| self.half.poll_alloc(cx, len)).await
     }
 
     /// Waits until a message can be handed over without waiting.
@@ -237,7 +270,9 @@ impl Sender {
         match self.poll_ready_inner(&mut cx) {
             Poll::Ready(Ok(())) => {
                 self.start_send_inner(msg)?;
-                self.half.submit();
+                // A transport that must wait for room keeps the message and hands it over
+                // before the next one (or at flush/close).
+                let _ = self.half.poll_submit(&mut cx)?;
                 Ok(())
             }
             Poll::Ready(Err(e)) => Err(e.with_message(msg)),

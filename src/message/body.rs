@@ -11,19 +11,44 @@ use bytes::Bytes;
 /// buffer — which is how transports hand bodies out zero-copy. Device (GPU) memory joins as
 /// another [`Location`] with the `cuda` feature; code that only handles host bodies uses
 /// [`Body::as_bytes`] / [`Body::into_bytes`] and gets `None`/`Err` for the others.
-#[derive(Clone, Default, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct Body {
     repr: Repr,
 }
 
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone)]
 enum Repr {
     Host(Bytes),
+    /// Host memory a transport lent (a shared-memory arena block), tagged so that the same
+    /// transport recognises it and sends it without a copy.
+    Leased(Bytes, LeaseTag),
 }
 
-impl Default for Repr {
-    fn default() -> Self {
-        Repr::Host(Bytes::new())
+impl PartialEq for Repr {
+    fn eq(&self, other: &Repr) -> bool {
+        self.bytes() == other.bytes()
+    }
+}
+impl Eq for Repr {}
+
+impl Repr {
+    fn bytes(&self) -> &Bytes {
+        match self {
+            Repr::Host(b) | Repr::Leased(b, _) => b,
+        }
+    }
+}
+
+/// Which lent region a leased body lives in, and where (transport-defined numbers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LeaseTag {
+    pub(crate) region: u64,
+    pub(crate) offset: u64,
+}
+
+impl Default for Body {
+    fn default() -> Body {
+        Body::new()
     }
 }
 
@@ -45,9 +70,7 @@ impl Body {
 
     /// The length in bytes.
     pub fn len(&self) -> usize {
-        match &self.repr {
-            Repr::Host(b) => b.len(),
-        }
+        self.repr.bytes().len()
     }
 
     /// True when the body is empty.
@@ -58,22 +81,35 @@ impl Body {
     /// Where the bytes live.
     pub fn location(&self) -> Location {
         match &self.repr {
-            Repr::Host(_) => Location::Host,
+            Repr::Host(_) | Repr::Leased(..) => Location::Host,
         }
     }
 
     /// The bytes, when the body is in host memory.
     pub fn as_bytes(&self) -> Option<&Bytes> {
-        match &self.repr {
-            Repr::Host(b) => Some(b),
-        }
+        Some(self.repr.bytes())
     }
 
     /// The bytes, when the body is in host memory; the body back otherwise.
     #[allow(clippy::result_large_err)]
     pub fn into_bytes(self) -> Result<Bytes, Body> {
         match self.repr {
-            Repr::Host(b) => Ok(b),
+            Repr::Host(b) | Repr::Leased(b, _) => Ok(b),
+        }
+    }
+
+    /// A body in memory a transport lent (see [`BodyMut`]).
+    pub(crate) fn leased(bytes: Bytes, tag: LeaseTag) -> Body {
+        Body {
+            repr: Repr::Leased(bytes, tag),
+        }
+    }
+
+    /// Where the body lives, when a transport lent its memory.
+    pub(crate) fn lease_tag(&self) -> Option<LeaseTag> {
+        match &self.repr {
+            Repr::Leased(_, tag) => Some(*tag),
+            Repr::Host(_) => None,
         }
     }
 }
@@ -120,6 +156,86 @@ impl fmt::Debug for Body {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.repr {
             Repr::Host(b) => write!(f, "Body::Host({} bytes)", b.len()),
+            Repr::Leased(b, _) => write!(f, "Body::Leased({} bytes)", b.len()),
+        }
+    }
+}
+
+/// A body being written in place, from [`Sender::alloc`](crate::Sender::alloc): fill it,
+/// [`freeze`](BodyMut::freeze) it, send it.
+///
+/// On `shm://` it is a block of the shared-memory arena, so the body is written where the
+/// receiver will read it and sending it copies nothing; elsewhere it is ordinary heap memory.
+/// Its initial contents are unspecified (zeroes on the heap, earlier bodies in an arena).
+pub struct BodyMut {
+    repr: MutRepr,
+}
+
+enum MutRepr {
+    Heap(bytes::BytesMut),
+    Lent(Box<dyn LentMut>),
+}
+
+/// Writable memory a transport lends for a body (implemented by the shm arena).
+pub(crate) trait LentMut: Send + Sync + 'static {
+    fn as_slice(&self) -> &[u8];
+    fn as_mut_slice(&mut self) -> &mut [u8];
+    fn freeze(self: Box<Self>) -> Body;
+}
+
+impl BodyMut {
+    /// `len` zeroed bytes on the heap.
+    pub fn zeroed(len: usize) -> BodyMut {
+        BodyMut {
+            repr: MutRepr::Heap(bytes::BytesMut::zeroed(len)),
+        }
+    }
+
+    pub(crate) fn lent(lent: Box<dyn LentMut>) -> BodyMut {
+        BodyMut {
+            repr: MutRepr::Lent(lent),
+        }
+    }
+
+    /// Makes it an immutable [`Body`], ready to send.
+    pub fn freeze(self) -> Body {
+        match self.repr {
+            MutRepr::Heap(b) => Body::from(b.freeze()),
+            MutRepr::Lent(l) => l.freeze(),
+        }
+    }
+}
+
+impl std::ops::Deref for BodyMut {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match &self.repr {
+            MutRepr::Heap(b) => b,
+            MutRepr::Lent(l) => l.as_slice(),
+        }
+    }
+}
+
+impl std::ops::DerefMut for BodyMut {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match &mut self.repr {
+            MutRepr::Heap(b) => b,
+            MutRepr::Lent(l) => l.as_mut_slice(),
+        }
+    }
+}
+
+impl From<BodyMut> for Body {
+    fn from(b: BodyMut) -> Body {
+        b.freeze()
+    }
+}
+
+impl fmt::Debug for BodyMut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.repr {
+            MutRepr::Heap(b) => write!(f, "BodyMut::Heap({} bytes)", b.len()),
+            MutRepr::Lent(l) => write!(f, "BodyMut::Lent({} bytes)", l.as_slice().len()),
         }
     }
 }

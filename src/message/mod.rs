@@ -17,7 +17,8 @@ mod body;
 mod kind;
 mod meta;
 
-pub use body::{Body, Location};
+pub use body::{Body, BodyMut, Location};
+pub(crate) use body::{LeaseTag, LentMut};
 pub use kind::{IntoMsgType, InvalidType, MsgType};
 pub use meta::{InvalidMeta, Iter as MetaIter, Meta};
 

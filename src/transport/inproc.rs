@@ -169,8 +169,9 @@ impl SendHalf for InprocSender {
         Ok(())
     }
 
-    fn submit(&mut self) {
+    fn poll_submit(&mut self, _cx: &mut Context<'_>) -> Poll<Result<()>> {
         self.out.submit();
+        Poll::Ready(Ok(()))
     }
 
     /// A handed-over message is in the peer's queue already.

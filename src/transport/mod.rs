@@ -13,11 +13,13 @@ use std::time::Duration;
 use crate::error::Result;
 use crate::url::Endpoint;
 use crate::wire::Limits;
-use crate::{Error, ErrorKind, Message};
+use crate::{BodyMut, Error, ErrorKind, Message};
 
 #[cfg(feature = "inproc")]
 mod inproc;
 pub(crate) mod pipe;
+#[cfg(feature = "shm")]
+mod shm;
 #[cfg(feature = "tcp")]
 pub(crate) mod tcp;
 
@@ -85,6 +87,10 @@ pub(crate) struct Config {
     pub(crate) stall_timeout: Duration,
     pub(crate) keepalive: Option<Duration>,
     pub(crate) linger: Duration,
+    pub(crate) busy_poll: bool,
+    pub(crate) shm_ring_entries: u32,
+    pub(crate) shm_arena_bytes: u64,
+    pub(crate) shm_any_uid: bool,
 }
 
 impl Default for Config {
@@ -103,6 +109,10 @@ impl Default for Config {
             stall_timeout: Duration::from_secs(15),
             keepalive: Some(Duration::from_secs(10)),
             linger: Duration::from_secs(5),
+            busy_poll: false,
+            shm_ring_entries: 4096,
+            shm_arena_bytes: 32 << 20,
+            shm_any_uid: false,
         }
     }
 }
@@ -113,8 +123,14 @@ impl Default for Config {
 pub(crate) trait SendHalf: Send + Sync + 'static {
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>>;
     fn start_send(&mut self, msg: Message) -> Result<()>;
-    /// Hands staged messages to the transport now, without waiting.
-    fn submit(&mut self);
+    /// Hands staged messages to the transport. Ready once they are handed over (a transport
+    /// writing into shared memory may have to wait for room).
+    fn poll_submit(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>>;
+    /// Memory for a body of `len` bytes, written in place: the transport's own (a shared
+    /// memory arena) where it has any, the heap otherwise.
+    fn poll_alloc(&mut self, _cx: &mut Context<'_>, len: usize) -> Poll<Result<BodyMut>> {
+        Poll::Ready(Ok(BodyMut::zeroed(len)))
+    }
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>>;
     fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>>;
 }
@@ -182,6 +198,8 @@ impl Transports {
             Endpoint::Tcp { host, port } => self.tcp.connect(host, *port).await,
             #[cfg(feature = "inproc")]
             Endpoint::Inproc { name } => inproc::connect(&self.inproc, name).await,
+            #[cfg(feature = "shm")]
+            Endpoint::Shm { name } => shm::connect(name, &self.cfg).await,
             #[allow(unreachable_patterns)]
             _ => Err(not_compiled(ep)),
         }
@@ -193,6 +211,8 @@ impl Transports {
             Endpoint::Tcp { host, port } => self.tcp.bind(host, *port).await,
             #[cfg(feature = "inproc")]
             Endpoint::Inproc { name } => inproc::bind(&self.inproc, name),
+            #[cfg(feature = "shm")]
+            Endpoint::Shm { name } => shm::bind(name, &self.cfg).await,
             #[allow(unreachable_patterns)]
             _ => Err(not_compiled(ep)),
         }

@@ -207,8 +207,9 @@ impl SendHalf for TcpSender {
         Ok(())
     }
 
-    fn submit(&mut self) {
+    fn poll_submit(&mut self, _cx: &mut Context<'_>) -> Poll<Result<()>> {
         self.out.submit();
+        Poll::Ready(Ok(()))
     }
 
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
@@ -840,7 +841,7 @@ mod tests {
         let mut cx = Context::from_waker(noop_waker_ref());
         assert!(matches!(tx.poll_ready(&mut cx), Poll::Ready(Ok(()))));
         tx.start_send(Message::new("t").unwrap()).unwrap();
-        tx.submit(); // the pipe (one message) is full now
+        assert!(tx.poll_submit(&mut cx).is_ready()); // the pipe (one message) is full now
         assert!(tx.check().is_ok());
         conn.fail(Error::new(ErrorKind::ConnectionLost, "gone"), false);
         assert!(

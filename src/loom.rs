@@ -1,0 +1,62 @@
+//! The concurrency seam: every atomic and `UnsafeCell` of the lock-free structures goes
+//! through here, so that the same algorithms run against loom's model checker with
+//! `RUSTFLAGS="--cfg hyperframes_loom"` (as tokio's `src/loom` does). Under loom the
+//! structures live on the heap instead of in shared memory.
+
+#[cfg(hyperframes_loom)]
+pub(crate) mod sync {
+    pub(crate) use loom::cell::UnsafeCell;
+    pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+
+    /// A spin-wait hint; under loom a yield, so that spinning models terminate.
+    pub(crate) fn spin_hint() {
+        loom::thread::yield_now();
+    }
+}
+
+#[cfg(not(hyperframes_loom))]
+pub(crate) mod sync {
+    pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+
+    /// `std::cell::UnsafeCell` with loom's closure API. `repr(transparent)`: it has `T`'s
+    /// layout, so it can sit in a `#[repr(C)]` shared-memory structure.
+    #[repr(transparent)]
+    #[derive(Debug, Default)]
+    pub(crate) struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+    impl<T> UnsafeCell<T> {
+        #[cfg(test)]
+        pub(crate) const fn new(v: T) -> UnsafeCell<T> {
+            UnsafeCell(std::cell::UnsafeCell::new(v))
+        }
+
+        /// Reads through a shared pointer. The caller upholds the aliasing rules, as with
+        /// `std::cell::UnsafeCell::get`.
+        pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
+            f(self.0.get())
+        }
+
+        /// Writes through a mutable pointer. The caller upholds the aliasing rules.
+        pub(crate) fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+            f(self.0.get())
+        }
+    }
+
+    pub(crate) fn spin_hint() {
+        std::hint::spin_loop();
+    }
+}
+
+/// Aligns `T` to 128 bytes, the unit of false sharing on x86-64 (a pair of 64-byte lines is
+/// prefetched together) and the cache line of Apple's ARM cores. `repr(C)` so that its layout
+/// is fixed, for shared memory.
+#[repr(C, align(128))]
+#[derive(Debug, Default)]
+pub(crate) struct Padded<T>(pub(crate) T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
