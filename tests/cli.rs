@@ -192,8 +192,12 @@ struct Listening {
 }
 
 fn listen(args: &[&str], env: &[(&str, &str)]) -> Listening {
+    listen_at("tcp://127.0.0.1:0", args, env)
+}
+
+fn listen_at(at: &str, args: &[&str], env: &[(&str, &str)]) -> Listening {
     let (proc, stdout, stderr) = Proc::spawn(
-        hf().args(["listen", "tcp://127.0.0.1:0"])
+        hf().args(["listen", at])
             .args(args)
             .envs(env.iter().copied()),
         Stdio::null(),
@@ -211,8 +215,12 @@ fn listen(args: &[&str], env: &[(&str, &str)]) -> Listening {
         }
         stderr_so_far.push(line);
     };
-    assert!(url.starts_with("tcp://127.0.0.1:"), "{url}");
-    assert!(!url.ends_with(":0"), "the real port, not 0: {url}");
+    if at.starts_with("tcp://") {
+        assert!(url.starts_with("tcp://127.0.0.1:"), "{url}");
+        assert!(!url.ends_with(":0"), "the real port, not 0: {url}");
+    } else {
+        assert_eq!(url, at);
+    }
     Listening {
         proc,
         url,
@@ -309,7 +317,11 @@ fn lines_of_type<'a>(lines: &'a [String], kind: &str) -> Vec<&'a String> {
 
 /// Several `hf send` runs into one `hf listen --count`: metadata, sizes and their units.
 fn round_trip(env: &[(&str, &str)]) {
-    let l = listen(&["--count", "9"], env);
+    round_trip_at("tcp://127.0.0.1:0", env);
+}
+
+fn round_trip_at(at: &str, env: &[(&str, &str)]) {
+    let l = listen_at(at, &["--count", "9"], env);
     let small_meta = [
         ("z", "1"),
         ("a", "2"),
@@ -388,6 +400,11 @@ fn round_trip_with_meta_and_sizes() {
 #[test]
 fn round_trip_on_epoll() {
     round_trip(&[("HYPERFRAMES_IO", "epoll")]);
+}
+
+#[test]
+fn round_trip_over_shared_memory() {
+    round_trip_at(&format!("shm://hf-cli-{}", std::process::id()), &[]);
 }
 
 #[test]

@@ -247,7 +247,9 @@ impl ContextBuilder {
                 c.shm_ring_entries
             ));
         }
-        if c.shm_arena_bytes < 4096 || c.shm_arena_bytes % 4096 != 0 || c.shm_arena_bytes > 1 << 40
+        if c.shm_arena_bytes < 4096
+            || !c.shm_arena_bytes.is_multiple_of(4096)
+            || c.shm_arena_bytes > 1 << 40
         {
             return bad(format!(
                 "shm arena is {} bytes; use a multiple of 4096 between 4 KiB and 1 TiB",

@@ -53,7 +53,7 @@ pub(crate) fn retain(refs: &impl BlockRefs, offset: u64) {
 /// header plus `payload` bytes within bounds. Returns the payload's offset.
 pub(crate) fn validate(len: u64, offset: u64, payload: u64) -> Option<u64> {
     let end = offset.checked_add(BLOCK_ALIGN)?.checked_add(payload)?;
-    (offset % BLOCK_ALIGN == 0 && end <= len).then_some(offset + BLOCK_ALIGN)
+    (offset.is_multiple_of(BLOCK_ALIGN) && end <= len).then_some(offset + BLOCK_ALIGN)
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -78,7 +78,7 @@ pub(crate) struct ArenaProducer {
 
 impl ArenaProducer {
     pub(crate) fn new(len: u64) -> ArenaProducer {
-        debug_assert!(len % BLOCK_ALIGN == 0 && len > 0);
+        debug_assert!(len.is_multiple_of(BLOCK_ALIGN) && len > 0);
         ArenaProducer {
             len,
             alloc: 0,
@@ -156,6 +156,7 @@ impl ArenaProducer {
     }
 
     /// Bytes in live blocks (including skipped space).
+    #[cfg(test)]
     pub(crate) fn used(&self) -> u64 {
         self.alloc - self.reclaimed
     }
@@ -292,13 +293,13 @@ mod loom_models {
                     assert_eq!(v, i as u64 + 1);
                     offs.push(off);
                 }
-                release(&r2, offs[1]);
-                release(&r2, offs[0]);
+                release(&*r2, offs[1]);
+                release(&*r2, offs[0]);
             });
             let mut a = ArenaProducer::new(LEN);
             for i in 0..3u64 {
                 let off = loop {
-                    if let Some(o) = a.alloc(&refs, 64, 1) {
+                    if let Some(o) = a.alloc(&*refs, 64, 1) {
                         break o;
                     }
                     loom::thread::yield_now();

@@ -216,17 +216,16 @@ async fn watch(sh: Arc<Shared>) {
 
 /// Waits on one of our eventfds: Ready once it was written (and is drained).
 fn poll_eventfd(fd: &AsyncFd<OwnedFd>, cx: &mut Context<'_>) -> Poll<Result<()>> {
-    loop {
-        match fd.poll_read_ready(cx) {
-            Poll::Ready(Ok(mut guard)) => {
-                drain(fd.get_ref().as_fd());
-                guard.clear_ready();
-                // Edge-triggered: re-arm, then report the wake-up (a spurious one is harmless).
-                return Poll::Ready(Ok(()));
-            }
-            Poll::Ready(Err(e)) => return Poll::Ready(Err(Error::io("waiting on an eventfd", e))),
-            Poll::Pending => return Poll::Pending,
+    match fd.poll_read_ready(cx) {
+        Poll::Ready(Ok(mut guard)) => {
+            // Edge-triggered: drain the counter and re-arm, then report the wake-up (the caller
+            // looks again; a spurious wake-up is harmless).
+            drain(fd.get_ref().as_fd());
+            guard.clear_ready();
+            Poll::Ready(Ok(()))
         }
+        Poll::Ready(Err(e)) => Poll::Ready(Err(Error::io("waiting on an eventfd", e))),
+        Poll::Pending => Poll::Pending,
     }
 }
 

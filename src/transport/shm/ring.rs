@@ -54,6 +54,7 @@ impl Desc {
     /// The body is an external memfd, number `body_at` in the order passed on the socket.
     pub(crate) const BODY_EXTERNAL: u8 = 0b100;
 
+    #[cfg(test)]
     pub(crate) const fn zeroed() -> Desc {
         Desc {
             kind: 0,
@@ -246,10 +247,6 @@ impl<S: RingStore> Consumer<S> {
         }
     }
 
-    pub(crate) fn store(&self) -> &S {
-        &self.store
-    }
-
     /// Descriptors ready to read (rereading `tail` only when the cached view has none).
     pub(crate) fn available(&mut self) -> Result<u64, Corrupt> {
         if self.seen_tail == self.head {
@@ -356,6 +353,12 @@ pub(crate) mod heap {
             })
         }
     }
+
+    // SAFETY: the slots are accessed only as the ring protocol allows (a slot is written by
+    // the producer outside the consumer's window and read by the consumer inside it, ordered
+    // by `tail`/`head`), exactly as in shared memory between processes.
+    #[cfg(not(hyperframes_loom))]
+    unsafe impl Sync for HeapRing {}
 
     impl RingStore for Arc<HeapRing> {
         fn control(&self) -> &Control {

@@ -81,7 +81,8 @@ impl Geometry {
         if !self.ring_entries.is_power_of_two() || self.ring_entries > 1 << 20 {
             return Err("ring entries must be a power of two up to 2^20");
         }
-        if self.arena_len < PAGE || self.arena_len % PAGE != 0 || self.arena_len > 1 << 40 {
+        if self.arena_len < PAGE || !self.arena_len.is_multiple_of(PAGE) || self.arena_len > 1 << 40
+        {
             return Err("the arena must be a multiple of 4 KiB between 4 KiB and 1 TiB");
         }
         Ok(())
@@ -131,7 +132,8 @@ impl Mapping {
     fn at<T>(&self, offset: u64) -> *mut T {
         debug_assert!(offset as usize + std::mem::size_of::<T>() <= self.len);
         debug_assert!(
-            (self.ptr.as_ptr() as usize + offset as usize) % std::mem::align_of::<T>() == 0
+            (self.ptr.as_ptr() as usize + offset as usize)
+                .is_multiple_of(std::mem::align_of::<T>())
         );
         // SAFETY: in bounds (asserted above; callers compute offsets from a validated
         // geometry), so the pointer stays inside the mapping.
@@ -273,6 +275,7 @@ impl Segment {
         self.id
     }
 
+    #[cfg(test)]
     pub(crate) fn arena_len(&self) -> u64 {
         self.geometry.arena_len
     }
@@ -332,10 +335,6 @@ pub(crate) struct ShmArena {
 }
 
 impl ShmArena {
-    pub(crate) fn segment_id(&self) -> u64 {
-        self.seg.id
-    }
-
     /// The payload bytes `[offset, offset + len)` of the arena (offsets validated by the
     /// caller with `arena::validate`).
     pub(crate) fn ptr(&self, offset: u64) -> *mut u8 {
@@ -347,7 +346,7 @@ impl ShmArena {
 
 impl BlockRefs for ShmArena {
     fn refs(&self, offset: u64) -> &AtomicU32 {
-        debug_assert!(offset % BLOCK_ALIGN == 0 && offset < self.seg.geometry.arena_len);
+        debug_assert!(offset.is_multiple_of(BLOCK_ALIGN) && offset < self.seg.geometry.arena_len);
         // SAFETY: a block header is 64-byte aligned inside the arena (validated offset); its
         // first four bytes are the reference count, only ever accessed atomically.
         unsafe { &*self.seg.map.at::<AtomicU32>(self.base + offset) }
