@@ -391,6 +391,29 @@ async fn many_peers_one_listener(t: T) {
     timeout(GUARD, server).await.unwrap().unwrap();
 }
 
+/// Many strict request/response round trips: the receiving side keeps finding the ring
+/// empty and a message arriving right after, the race where wake-ups get lost.
+async fn ping_pong_many_times(t: T) {
+    let (_ctx, mut c, s) = pair(t).await;
+    let echo = tokio::spawn(async move {
+        let mut s = s;
+        while let Some(m) = s.recv().await {
+            s.send(m.unwrap()).await.unwrap();
+        }
+    });
+    for i in 0..20_000 {
+        c.send(msg(i, 64)).await.unwrap();
+        let back = timeout(Duration::from_secs(10), c.recv())
+            .await
+            .unwrap_or_else(|_| panic!("round trip {i} hung"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(seq(&back), i);
+    }
+    c.close().await.unwrap();
+    timeout(GUARD, echo).await.unwrap().unwrap();
+}
+
 async fn channels_outlive_their_context(t: T) {
     let (ctx, mut c, mut s) = pair(t).await;
     drop(ctx);
@@ -450,9 +473,41 @@ suite!(
     sink_and_stream_traits,
     recv_is_cancel_safe,
     many_peers_one_listener,
+    ping_pong_many_times,
     channels_outlive_their_context,
     listener_reports_its_address,
 );
+
+/// The same round trips with the two sides on different threads (a current-thread runtime
+/// never runs them at once, so it cannot show races between them).
+mod threaded {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ping_pong_inproc() {
+        ping_pong_many_times(T::Inproc).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ping_pong_uring() {
+        ping_pong_many_times(T::Uring).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ping_pong_inline() {
+        ping_pong_many_times(T::Inline).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ping_pong_shm() {
+        ping_pong_many_times(T::Shm).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn in_order_under_load_shm() {
+        in_order_under_load(T::Shm).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn backpressure_shm() {
+        backpressure_is_real(T::Shm).await
+    }
+}
 
 // ---- tcp only ----
 

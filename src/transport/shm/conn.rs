@@ -40,8 +40,26 @@ const COPY_MAX: u64 = 1024;
 const BATCH: u64 = 64;
 /// Descriptors written before they are published without waiting for a flush.
 const PUBLISH_EVERY: u64 = 64;
-/// Checks of the ring before parking.
-const SPINS: u32 = 128;
+/// How long a side waiting for data or room spins before it parks: long enough to catch a
+/// reply in a request/response exchange (a round trip is a microsecond or two) without
+/// sleeping, short enough not to burn a core on an idle channel.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(20);
+
+/// Spins until `ready` or [`SPIN`] has passed; true when ready.
+fn spin_until(mut ready: impl FnMut() -> Result<bool>) -> Result<bool> {
+    let start = std::time::Instant::now();
+    loop {
+        for _ in 0..64 {
+            if ready()? {
+                return Ok(true);
+            }
+            crate::loom::sync::spin_hint();
+        }
+        if start.elapsed() >= SPIN {
+            return Ok(false);
+        }
+    }
+}
 /// External bodies (memfds) in flight per direction.
 const MAX_EXTERNAL: u64 = 8;
 
@@ -473,11 +491,8 @@ impl ShmSender {
             } || this.sh.gone()
                 || this.ring.consumer_closed())
         };
-        for _ in 0..SPINS {
-            if room(self)? {
-                return Poll::Ready(Ok(()));
-            }
-            crate::loom::sync::spin_hint();
+        if spin_until(|| room(self))? {
+            return Poll::Ready(Ok(()));
         }
         if self.sh.busy_poll {
             cx.waker().wake_by_ref();
@@ -840,22 +855,32 @@ impl ShmReceiver {
         }))
     }
 
-    /// Takes up to a batch of published descriptors. Returns how many messages it queued.
-    fn fill(&mut self) -> Result<usize> {
+    /// Takes up to a batch of published descriptors into `batch`.
+    fn fill(&mut self) -> Result<Filled> {
         let n = self.ring.available().map_err(corrupt)?.min(BATCH);
         let mut taken = 0;
+        let mut waiting = false;
         for i in 0..n {
             let d = self.ring.read(i);
             match self.decode(&d)? {
                 Step::Message(m) => self.batch.push_back(m),
-                Step::WaitExternal => break,
+                Step::WaitExternal => {
+                    waiting = true;
+                    break;
+                }
             }
             taken += 1;
         }
         if taken > 0 && self.ring.consume(taken) {
             signal(self.sh.in_space.as_fd());
         }
-        Ok(taken as usize)
+        Ok(if taken > 0 {
+            Filled::Some
+        } else if waiting {
+            Filled::WaitExternal
+        } else {
+            Filled::Empty
+        })
     }
 
     fn poll_inner(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message>>> {
@@ -863,33 +888,39 @@ impl ShmReceiver {
             if let Some(m) = self.batch.pop_front() {
                 return Poll::Ready(Some(Ok(m)));
             }
-            if self.fill()? > 0 {
-                continue;
-            }
-            if self.ring.available().map_err(corrupt)? > 0 {
-                // The next descriptor waits for its external body's memfd.
-                self.sh.external_waker.register(cx.waker());
-                if !self
-                    .sh
-                    .external
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .is_empty()
-                {
-                    continue;
+            match self.fill()? {
+                Filled::Some => continue,
+                Filled::WaitExternal => {
+                    // The next descriptor's body is a memfd that has not come through the
+                    // socket yet: the watcher wakes us when it does (or when the peer is gone).
+                    self.sh.external_waker.register(cx.waker());
+                    if !self
+                        .sh
+                        .external
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .is_empty()
+                    {
+                        continue;
+                    }
+                    if self.sh.gone() {
+                        return Poll::Ready(Some(Err(Error::new(
+                            ErrorKind::ConnectionLost,
+                            "the shared-memory peer went away while sending a large body",
+                        ))));
+                    }
+                    return Poll::Pending;
                 }
-                if self.sh.gone() {
-                    return Poll::Ready(Some(Err(Error::new(
-                        ErrorKind::ConnectionLost,
-                        "the shared-memory peer went away while sending a large body",
-                    ))));
-                }
-                return Poll::Pending;
+                Filled::Empty => {}
             }
             if self.ring.is_finished().map_err(corrupt)? {
                 return Poll::Ready(None);
             }
             if self.sh.gone() {
+                // Published before the peer went? Take it first.
+                if self.ring.available().map_err(corrupt)? > 0 {
+                    continue;
+                }
                 return Poll::Ready(Some(Err(Error::new(
                     ErrorKind::ConnectionLost,
                     format!(
@@ -898,12 +929,7 @@ impl ShmReceiver {
                     ),
                 ))));
             }
-            let mut spins = 0;
-            while spins < SPINS && self.ring.available().map_err(corrupt)? == 0 {
-                crate::loom::sync::spin_hint();
-                spins += 1;
-            }
-            if spins < SPINS {
+            if spin_until(|| Ok(self.ring.available().map_err(corrupt)? > 0 || self.sh.gone()))? {
                 continue;
             }
             if self.sh.busy_poll {
@@ -924,6 +950,12 @@ impl ShmReceiver {
             }
         }
     }
+}
+
+enum Filled {
+    Some,
+    Empty,
+    WaitExternal,
 }
 
 impl RecvHalf for ShmReceiver {
