@@ -181,7 +181,7 @@ impl Channel {
 }
 
 impl Sender {
-    fn poll_ready_inner(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
+    pub(crate) fn poll_ready_inner(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
         self.half.poll_ready(cx)
     }
 
