@@ -148,9 +148,9 @@ impl FanOut {
     /// with [`ErrorKind::InvalidMeta`] (and handed back in the error). A destination that
     /// fails fails the fan-out. Fails with [`ErrorKind::Config`] for an invalid key.
     pub fn key_hash(senders: impl IntoIterator<Item = Sender>, key: &str) -> Result<FanOut> {
-        Meta::new().insert(key, "").map_err(|e| {
-            Error::new(ErrorKind::Config, format!("fan-out key {key:?}: {e}"))
-        })?;
+        Meta::new()
+            .insert(key, "")
+            .map_err(|e| Error::new(ErrorKind::Config, format!("fan-out key {key:?}: {e}")))?;
         FanOut::new(senders, Policy::KeyHash(key.into()))
     }
 
@@ -490,7 +490,10 @@ impl<K: Clone + Unpin> Stream for FanIn<K> {
 impl<K: fmt::Debug> fmt::Debug for FanIn<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FanIn")
-            .field("sources", &self.sources.iter().map(|(k, _)| k).collect::<Vec<_>>())
+            .field(
+                "sources",
+                &self.sources.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            )
             .finish()
     }
 }

@@ -21,7 +21,7 @@
 //! ```
 //! use hyperframes::middleware::{self, BoxError, MetaSchema, MetaSchemaLayer, TypeFilterLayer, Value};
 //! use hyperframes::{Context, Message};
-//! use tower::{ServiceBuilder, ServiceExt, service_fn};
+//! use tower::{Service, ServiceBuilder, ServiceExt, service_fn};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), BoxError> {

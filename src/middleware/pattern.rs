@@ -63,7 +63,10 @@ impl TypePattern {
         if pattern.len() > MsgType::MAX_LEN {
             return Err(bad(
                 pattern,
-                format_args!("is longer than the {} bytes a type may have", MsgType::MAX_LEN),
+                format_args!(
+                    "is longer than the {} bytes a type may have",
+                    MsgType::MAX_LEN
+                ),
             ));
         }
         let count = pattern.split('.').count();
@@ -71,7 +74,12 @@ impl TypePattern {
         let mut wild = false;
         for (i, seg) in pattern.split('.').enumerate() {
             match seg {
-                "" => return Err(bad(pattern, "has an empty segment (two dots, or a dot at an end)")),
+                "" => {
+                    return Err(bad(
+                        pattern,
+                        "has an empty segment (two dots, or a dot at an end)",
+                    ));
+                }
                 "*" => {
                     wild = true;
                     segments.push(Segment::One);

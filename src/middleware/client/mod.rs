@@ -198,11 +198,7 @@ impl Inner {
         if self.client_alive.load(Ordering::Acquire) || !self.state().pending.is_empty() {
             return;
         }
-        let reader = self
-            .reader
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let reader = self.reader.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(r) = reader {
             r.abort();
         }

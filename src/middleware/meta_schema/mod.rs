@@ -44,9 +44,9 @@ use std::task::{Context, Poll};
 use tower::Service;
 
 pub use self::error::{Rule, SchemaViolation};
+use self::future::ResponseFuture;
 pub use self::layer::MetaSchemaLayer;
 pub use self::schema::{MetaSchema, MetaSchemaBuilder, Value};
-use self::future::ResponseFuture;
 use super::BoxError;
 use crate::Message;
 

@@ -68,7 +68,10 @@ pub struct Value {
 #[derive(Clone)]
 enum Kind {
     Any,
-    Integer { min: i64, max: i64 },
+    Integer {
+        min: i64,
+        max: i64,
+    },
     OneOf(Box<[Box<str>]>),
     Check {
         name: Box<str>,
@@ -274,13 +277,14 @@ impl MetaSchema {
 
     /// Checks `msg`; the violation found first names the type, the key and the rule.
     pub fn check(&self, msg: &Message) -> std::result::Result<(), SchemaViolation> {
-        self.find(msg).map_err(|(key, rule, detail)| SchemaViolation {
-            kind: msg.kind().clone(),
-            key,
-            rule,
-            detail,
-            message: None,
-        })
+        self.find(msg)
+            .map_err(|(key, rule, detail)| SchemaViolation {
+                kind: msg.kind().clone(),
+                key,
+                rule,
+                detail,
+                message: None,
+            })
     }
 
     /// Checks `msg` and hands it back, or the violation with the message in it.
@@ -361,10 +365,7 @@ impl MetaSchema {
 
     /// True when `key` is required.
     pub fn is_required(&self, key: &str) -> bool {
-        self.inner
-            .keys
-            .iter()
-            .any(|r| r.required && *r.key == *key)
+        self.inner.keys.iter().any(|r| r.required && *r.key == *key)
     }
 }
 
@@ -372,7 +373,10 @@ impl fmt::Debug for MetaSchema {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut m = f.debug_map();
         for r in self.inner.keys.iter() {
-            m.entry(&r.key, &(if r.required { "required" } else { "allowed" }, &r.value));
+            m.entry(
+                &r.key,
+                &(if r.required { "required" } else { "allowed" }, &r.value),
+            );
         }
         m.finish()?;
         if self.inner.allow_unknown {
@@ -511,7 +515,12 @@ mod tests {
         assert!(
             s.check(&msg(
                 "a.b",
-                &[("codec", "av1"), ("frame", "1000"), ("name", "x"), ("digest", "00ff")]
+                &[
+                    ("codec", "av1"),
+                    ("frame", "1000"),
+                    ("name", "x"),
+                    ("digest", "00ff")
+                ]
             ))
             .is_ok()
         );
@@ -553,7 +562,9 @@ mod tests {
 
     #[test]
     fn errors_name_type_key_and_rule() {
-        let v = schema().check(&msg("cam.frame", &[("frame", "abc")])).unwrap_err();
+        let v = schema()
+            .check(&msg("cam.frame", &[("frame", "abc")]))
+            .unwrap_err();
         let text = v.to_string();
         for part in ["cam.frame", "frame", "an integer", "\"abc\""] {
             assert!(text.contains(part), "{part:?} not in {text}");
@@ -563,7 +574,9 @@ mod tests {
             .unwrap_err();
         assert!(v.to_string().contains("frame, codec, name, digest"), "{v}");
         let long = "x".repeat(200);
-        let v = schema().check(&msg("a.b", &[("frame", &long)])).unwrap_err();
+        let v = schema()
+            .check(&msg("a.b", &[("frame", &long)]))
+            .unwrap_err();
         assert!(v.to_string().len() < 200, "long values are cut: {v}");
     }
 
@@ -589,7 +602,14 @@ mod tests {
         for ok in ["ml.splitter.output", "video.cam2.frame_ready"] {
             assert!(s.check(&msg(ok, &[])).is_ok(), "{ok}");
         }
-        for bad in ["video_frame", "ml.splitter", "ml.splitter.output.x", "ML.a.b", "a.2b.c", "a.b-c.d"] {
+        for bad in [
+            "video_frame",
+            "ml.splitter",
+            "ml.splitter.output.x",
+            "ML.a.b",
+            "a.2b.c",
+            "a.b-c.d",
+        ] {
             let v = s.check(&msg(bad, &[])).unwrap_err();
             assert_eq!(v.rule(), &Rule::TypeNaming, "{bad}");
             assert_eq!(v.key(), None);
@@ -609,7 +629,13 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Config);
         let text = e.to_string();
-        for part in ["\"bad key\"", "given twice", "5..=1", "no value", "min_len 3"] {
+        for part in [
+            "\"bad key\"",
+            "given twice",
+            "5..=1",
+            "no value",
+            "min_len 3",
+        ] {
             assert!(text.contains(part), "{part:?} not in {text}");
         }
         let mut b = MetaSchema::builder();

@@ -38,7 +38,10 @@ impl<F: Future> Future for Call<F> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let out = ready!(this.future.poll(cx));
-        Poll::Ready((this.request.take().expect("Call polled after completion"), out))
+        Poll::Ready((
+            this.request.take().expect("Call polled after completion"),
+            out,
+        ))
     }
 }
 

@@ -52,8 +52,8 @@ use std::time::Duration;
 use tower::Service;
 
 pub use self::error::Unmatched;
-pub use self::layer::TypeFilterLayer;
 use self::future::ResponseFuture;
+pub use self::layer::TypeFilterLayer;
 use super::BoxError;
 use super::log_limit::LogLimit;
 use super::pattern::{PatternSet, TypePattern};
