@@ -89,7 +89,7 @@ impl ErrorKind {
             ErrorKind::Unavailable => "unavailable",
             ErrorKind::Mismatch => "mismatched halves",
             ErrorKind::Config => "invalid configuration",
-            ErrorKind::Remote => "the peer failed the request",
+            ErrorKind::Remote => "remote error",
             ErrorKind::Service => "service failed",
         }
     }

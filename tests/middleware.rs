@@ -677,7 +677,8 @@ async fn client_composes_with_buffer_concurrency_limit_and_timeout(t: T) {
             most.fetch_max(cur, Ordering::SeqCst);
             tokio::time::sleep(Duration::from_millis(2)).await;
             now.fetch_sub(1, Ordering::SeqCst);
-            Ok::<_, BoxError>(Some(reply_to(&req, "echo.reply")))
+            // No header: serve marks it a response and copies the request's correlation id.
+            Ok::<_, BoxError>(Some(m("echo.reply").with_body(req.body().clone())))
         }
     });
     let server = serve(l, tower::make::Shared::new(handler));
