@@ -40,6 +40,26 @@ pub struct TypePattern {
     segments: Option<Box<[Segment]>>,
 }
 
+/// Byte equality for the short strings of types and keys, in a loop the compiler keeps
+/// inline (a `memcmp` call costs more than the comparison).
+#[inline]
+pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let (mut a8, mut b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    for (x, y) in (&mut a8).zip(&mut b8) {
+        let word = |c: &[u8]| u64::from_ne_bytes(c.try_into().expect("chunks of 8"));
+        if word(x) != word(y) {
+            return false;
+        }
+    }
+    a8.remainder()
+        .iter()
+        .zip(b8.remainder())
+        .all(|(x, y)| x == y)
+}
+
 #[derive(Clone, PartialEq, Eq, Hash)]
 enum Segment {
     Name(Box<str>),
@@ -130,26 +150,40 @@ impl TypePattern {
 
     /// True when the type named `kind` matches (no validation of `kind`).
     pub fn matches_str(&self, kind: &str) -> bool {
+        let k = kind.as_bytes();
         let Some(segments) = &self.segments else {
-            return *self.text == *kind;
+            return same(self.text.as_bytes(), k);
         };
-        let mut parts = kind.split('.');
+        // `at` is where the next segment of `kind` starts; `k.len() + 1` once all are taken.
+        // Byte loops, not `str::split`: types are short, and this runs for every message.
+        let mut at = 0;
         for seg in segments.iter() {
+            if at > k.len() {
+                return false; // the pattern has more segments than the type
+            }
             match seg {
-                Segment::Rest => return parts.next().is_some(),
+                Segment::Rest => return true,
                 Segment::One => {
-                    if parts.next().is_none() {
-                        return false;
-                    }
+                    at += k[at..]
+                        .iter()
+                        .position(|&b| b == b'.')
+                        .unwrap_or(k.len() - at)
+                        + 1;
                 }
                 Segment::Name(name) => {
-                    if parts.next() != Some(&**name) {
+                    let name = name.as_bytes();
+                    let end = at + name.len();
+                    if end > k.len()
+                        || !same(&k[at..end], name)
+                        || (end < k.len() && k[end] != b'.')
+                    {
                         return false;
                     }
+                    at = end + 1;
                 }
             }
         }
-        parts.next().is_none()
+        at == k.len() + 1
     }
 
     /// True when the pattern has no wildcard and so matches one type only.
@@ -277,6 +311,53 @@ mod tests {
         assert!(m("**", "x"));
         assert!(m("ml.*.**", "ml.a.b"));
         assert!(!m("ml.*.**", "ml.a"));
+    }
+
+    /// The byte matcher against a plain reference on segments, over every pairing of a grid.
+    #[test]
+    fn matcher_agrees_with_a_reference() {
+        fn reference(p: &str, t: &str) -> bool {
+            let (ps, ts): (Vec<&str>, Vec<&str>) = (p.split('.').collect(), t.split('.').collect());
+            if ps.last() == Some(&"**") {
+                let fixed = &ps[..ps.len() - 1];
+                return ts.len() > fixed.len()
+                    && fixed.iter().zip(&ts).all(|(p, t)| *p == "*" || p == t);
+            }
+            ps.len() == ts.len() && ps.iter().zip(&ts).all(|(p, t)| *p == "*" || p == t)
+        }
+        let patterns = [
+            "a", "*", "**", "a.b", "a.*", "*.b", "a.**", "*.**", "a.b.c", "a.*.c", "ab.c", "a.bc",
+            "*.*.*", "a.b.**", "abc.**",
+        ];
+        let types = [
+            "a", "b", "ab", "abc", "a.b", "a.c", "ab.c", "a.bc", "a.b.c", "a.x.c", "a.b.c.d",
+            "b.b", "abc.d", "abc", "a.b.cd", "x.y.z",
+        ];
+        for p in patterns {
+            let pat = TypePattern::new(p).unwrap();
+            for t in types {
+                assert_eq!(pat.matches_str(t), reference(p, t), "{p} on {t}");
+            }
+        }
+    }
+
+    #[test]
+    fn same_is_slice_equality() {
+        let words = [
+            "",
+            "a",
+            "abcdefg",
+            "abcdefgh",
+            "abcdefghi",
+            "abcdefghijklmnopq",
+            "abcdefghijklmnopr",
+            "bbcdefghijklmnopq",
+        ];
+        for a in words {
+            for b in words {
+                assert_eq!(same(a.as_bytes(), b.as_bytes()), a == b, "{a:?} {b:?}");
+            }
+        }
     }
 
     #[test]

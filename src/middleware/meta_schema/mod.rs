@@ -102,13 +102,15 @@ where
     }
 
     fn call(&mut self, msg: Message) -> Self::Future {
-        match self.schema.validate(msg) {
-            Ok(msg) => ResponseFuture::inner(self.inner.call(msg)),
-            Err(v) => {
-                tracing::debug!("refused: {v}");
-                ResponseFuture::refused(Box::new(v))
-            }
+        if self.schema.passes(&msg) {
+            return ResponseFuture::inner(self.inner.call(msg));
         }
+        let v = self.schema.violation(&msg, None);
+        tracing::debug!("refused: {v}");
+        ResponseFuture::refused(Box::new(SchemaViolation {
+            message: Some(msg),
+            ..v
+        }))
     }
 }
 
