@@ -61,7 +61,7 @@ pub enum ErrorKind {
     /// A configuration value is out of range.
     Config,
     /// The peer's handler failed the request: [`middleware::Client`](crate::middleware::Client)
-    /// received the error reply that [`middleware::serve`](crate::middleware::serve) sends for
+    /// received the error reply that [`middleware::serve`](crate::middleware::serve()) sends for
     /// a failed request. The detail is the peer's error text.
     Remote,
     /// A tower service failed (a make-service that can no longer make services, a handler's

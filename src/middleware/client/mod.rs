@@ -3,7 +3,7 @@
 //!
 //! Many requests may be in flight at once; replies may come in any order. The client sets
 //! each request's header to [`Flags::REQUEST`] and a fresh correlation id; the peer (for
-//! example [`serve()`](crate::middleware::serve)) answers with
+//! example [`serve()`](crate::middleware::serve())) answers with
 //! [`Flags::RESPONSE`] and the same id. A task spawned by [`Client::new`] reads the channel
 //! and hands each reply to its request.
 //!
@@ -16,7 +16,7 @@
 //!   replies at all ([`ClientStats::unsolicited`]).
 //! * **Failure.** When the channel breaks or the peer closes it, every request in flight
 //!   fails with that error (no hang), and so does every later call. An error reply from
-//!   `serve` (type [`ERROR_TYPE`](crate::middleware::serve::ERROR_TYPE)) fails its request
+//!   `serve` (type [`ERROR_TYPE`]) fails its request
 //!   with [`ErrorKind::Remote`].
 //!
 //! The client is not `Clone` (it owns the channel's [`Sender`]): share it with
@@ -55,7 +55,7 @@
 //! `poll_ready` reserves a slot, held until the next `call` consumes it or the client is
 //! dropped; [`disarm`](Client::disarm) gives it back without calling (tower#408). A `call`
 //! without `poll_ready` does not panic: it takes a slot if one is free, and otherwise fails
-//! with [`ErrorKind::Full`](crate::ErrorKind::Full), handing the message back.
+//! with [`ErrorKind::Full`], handing the message back.
 
 pub mod future;
 

@@ -55,7 +55,9 @@ impl fmt::Display for Rule {
 /// [`MetaSchemaService`](super::MetaSchemaService), it carries the message back
 /// ([`into_message`](SchemaViolation::into_message)); returned by
 /// [`MetaSchema::check`](super::MetaSchema::check), it carries none.
-pub struct SchemaViolation {
+pub struct SchemaViolation(pub(super) Box<Violation>);
+
+pub(super) struct Violation {
     pub(super) kind: MsgType,
     pub(super) key: Option<Box<str>>,
     pub(super) rule: Rule,
@@ -66,48 +68,50 @@ pub struct SchemaViolation {
 impl SchemaViolation {
     /// The type of the message.
     pub fn message_type(&self) -> &MsgType {
-        &self.kind
+        &self.0.kind
     }
 
     /// The metadata key, when the rule is about one.
     pub fn key(&self) -> Option<&str> {
-        self.key.as_deref()
+        self.0.key.as_deref()
     }
 
     /// The rule broken.
     pub fn rule(&self) -> &Rule {
-        &self.rule
+        &self.0.rule
     }
 
     /// The refused message (once; `None` after it was taken).
     pub fn take_message(&mut self) -> Option<Message> {
-        self.message.take()
+        self.0.message.take()
     }
 
     /// The refused message.
     pub fn into_message(self) -> Option<Message> {
-        self.message
+        self.0.message
     }
 }
 
 impl fmt::Display for SchemaViolation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "message of type `{}`", self.kind)?;
-        if let Some(key) = &self.key {
+        let v = &self.0;
+        write!(f, "message of type `{}`", v.kind)?;
+        if let Some(key) = &v.key {
             write!(f, ", metadata key `{key}`")?;
         }
-        write!(f, ", rule \"{}\": {}", self.rule, self.detail)
+        write!(f, ", rule \"{}\": {}", v.rule, v.detail)
     }
 }
 
 impl fmt::Debug for SchemaViolation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let v = &self.0;
         f.debug_struct("SchemaViolation")
-            .field("kind", &self.kind)
-            .field("key", &self.key)
-            .field("rule", &self.rule)
-            .field("detail", &self.detail)
-            .field("has_message", &self.message.is_some())
+            .field("kind", &v.kind)
+            .field("key", &v.key)
+            .field("rule", &v.rule)
+            .field("detail", &v.detail)
+            .field("has_message", &v.message.is_some())
             .finish()
     }
 }

@@ -6,7 +6,7 @@
 //!
 //! * **send side**: around a [`Sender`](crate::Sender) (a `Service<Message, Response = ()>`),
 //!   a bad message is refused before it reaches the wire;
-//! * **receive side**: around a handler given to [`serve`](crate::middleware::serve), a bad
+//! * **receive side**: around a handler given to [`serve`](crate::middleware::serve()), a bad
 //!   message never reaches the handler (`serve` logs and counts the error, and answers a
 //!   request with an error reply).
 //!
@@ -105,12 +105,10 @@ where
         if self.schema.passes(&msg) {
             return ResponseFuture::inner(self.inner.call(msg));
         }
-        let v = self.schema.violation(&msg, None);
+        let mut v = self.schema.violation(&msg, None);
         tracing::debug!("refused: {v}");
-        ResponseFuture::refused(Box::new(SchemaViolation {
-            message: Some(msg),
-            ..v
-        }))
+        v.0.message = Some(msg);
+        ResponseFuture::refused(Box::new(v))
     }
 }
 

@@ -4,7 +4,7 @@ use std::fmt;
 use std::ops::RangeInclusive;
 use std::sync::Arc;
 
-use super::error::{Rule, SchemaViolation};
+use super::error::{Rule, SchemaViolation, Violation};
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::{Message, Meta};
 use crate::middleware::pattern::same;
@@ -365,13 +365,13 @@ impl MetaSchema {
                 "inconsistent check".into(),
             ),
         };
-        SchemaViolation {
+        SchemaViolation(Box::new(Violation {
             kind: msg.kind().clone(),
             key,
             rule,
             detail,
             message: keep,
-        }
+        }))
     }
 
     #[allow(clippy::type_complexity)]
@@ -714,6 +714,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::reversed_empty_ranges)] // on purpose: the builder must refuse it
     fn builder_reports_every_mistake() {
         let e = MetaSchema::builder()
             .require("bad key", Value::any())

@@ -51,7 +51,7 @@ type Boxed<R> = BoxCloneService<Message, R, BoxError>;
 /// docs](self).
 ///
 /// Routes are boxed, so services of different types mix; each must be `Clone` (the router
-/// is, so that [`serve`](crate::middleware::serve) can make one per channel with
+/// is, so that [`serve`](crate::middleware::serve()) can make one per channel with
 /// `tower::make::Shared`).
 pub struct Router<R> {
     routes: Vec<(TypePattern, Boxed<R>)>,

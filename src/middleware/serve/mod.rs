@@ -16,7 +16,7 @@
 //! * **Errors.** A failed call is logged (rate-limited) and counted; if the message was a
 //!   request ([`Flags::REQUEST`](crate::Flags::REQUEST)), the peer gets an error reply of type
 //!   [`ERROR_TYPE`] carrying the error text, which a `Client` turns into an
-//!   [`ErrorKind::Remote`](crate::ErrorKind::Remote) error — so a failure is tied to its
+//!   [`ErrorKind::Remote`] error — so a failure is tied to its
 //!   request, and no client waits for a reply that will never come. A handler whose
 //!   `poll_ready` fails ends its channel.
 //! * **Isolation.** Each channel runs in a task of its own: a failing or panicking handler or
@@ -27,7 +27,7 @@
 //! accepting (the listener is dropped), then on every channel stop reading, finish the calls
 //! in flight and send their replies, then close. Messages the peer sent that were not yet
 //! read are dropped with the receiver, which tells the peer (its sends fail with
-//! [`ErrorKind::Closed`](crate::ErrorKind::Closed)). Channels still busy after the
+//! [`ErrorKind::Closed`]). Channels still busy after the
 //! [`drain_timeout`](Serve::drain_timeout) (default 30 s) are cut off, with a warning.
 //!
 //! `serve` needs a tokio runtime with time enabled: channels run in tasks it spawns.

@@ -11,7 +11,7 @@
 //!
 //! The filter sees only the type, so it works the same on the send side (around a
 //! [`Sender`](crate::Sender)) and on the receive side (around a handler given to
-//! [`serve`](crate::middleware::serve)).
+//! [`serve`](crate::middleware::serve())).
 //!
 //! ```
 //! use hyperframes::middleware::{BoxError, TypeFilterLayer, type_filter::Unmatched};
