@@ -382,6 +382,29 @@ async fn serve_bounds_calls_in_flight_per_channel() {
     timeout(GUARD, task).await.unwrap().unwrap().unwrap();
 }
 
+#[tokio::test]
+async fn serve_shuts_down_while_the_make_service_is_not_ready() {
+    let (ctx, l, url) = listen(T::Inproc, Context::builder()).await;
+    let (make, mut make_handle) = mock::pair::<Incoming, Handler>();
+    make_handle.allow(0);
+    let server = serve(l, make);
+    let (stop, stats) = (server.shutdown_handle(), server.stats());
+    let task = tokio::spawn(server.into_future());
+    let _ch = ctx.connect(&url).await.unwrap();
+    eventually("the channel is accepted", || stats.accepted() == 1).await;
+    stop.shutdown();
+    timeout(GUARD, task)
+        .await
+        .expect("shutdown waited for the make-service")
+        .unwrap()
+        .unwrap();
+    // The make-service was dropped with the server without being asked for a service.
+    assert!(
+        matches!(make_handle.poll_request(), Poll::Ready(None)),
+        "no service was made"
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // Over real channels, per transport
 

@@ -340,12 +340,23 @@ where
             accepted = listener.accept() => match accepted {
                 Ok(channel) => {
                     counters.accepted.fetch_add(1, Ordering::Relaxed);
-                    if let Err(e) = poll_fn(|cx| make_service.poll_ready(cx)).await {
-                        break Err(Error::new(
-                            ErrorKind::Service,
-                            format!("serve {local}: the make-service failed; accepting no more channels"),
-                        )
-                        .with_source(e.into()));
+                    // A make-service that is slow to be ready must not hold up a shutdown.
+                    let ready = tokio::select! {
+                        biased;
+                        _ = stop.changed() => None,
+                        () = &mut signal => None,
+                        r = poll_fn(|cx| make_service.poll_ready(cx)) => Some(r),
+                    };
+                    match ready {
+                        None => break Ok(()), // the channel is dropped with the listener
+                        Some(Err(e)) => {
+                            break Err(Error::new(
+                                ErrorKind::Service,
+                                format!("serve {local}: the make-service failed; accepting no more channels"),
+                            )
+                            .with_source(e.into()));
+                        }
+                        Some(Ok(())) => {}
                     }
                     let making = make_service.make_service(Incoming::new(channel.info()));
                     let stop = shutdown.subscribe();
