@@ -294,6 +294,11 @@ where
 
     /// Runs until shutdown (`Ok`) or until the listener or the make-service fails (`Err`,
     /// after draining the channels as a shutdown does).
+    ///
+    /// # Cancel safety
+    /// Dropping the future is an abrupt stop, not a graceful one: the listener is dropped
+    /// and every channel's task is aborted, with the calls in flight. Use
+    /// [`ShutdownHandle::shutdown`] and await the future to drain.
     fn into_future(self) -> Self::IntoFuture {
         Box::pin(run(self))
     }
@@ -455,6 +460,10 @@ impl Drop for Active {
 /// channel it accepts (at most 64 calls in flight): until the peer closes its direction
 /// (then the calls in flight finish and this end closes), the channel breaks or the
 /// handler's `poll_ready` fails (`Err`).
+///
+/// # Cancel safety
+/// Dropping the future drops the channel (a close, as for any dropped channel) and the calls
+/// in flight; a message received but not yet handed to the service is lost with it.
 pub async fn serve_channel<S>(channel: Channel, service: S) -> Result<()>
 where
     S: Service<Message, Response = Option<Message>>,
