@@ -60,6 +60,13 @@ pub enum ErrorKind {
     Mismatch,
     /// A configuration value is out of range.
     Config,
+    /// The peer's handler failed the request: [`middleware::Client`](crate::middleware::Client)
+    /// received the error reply that [`middleware::serve`](crate::middleware::serve()) sends for
+    /// a failed request. The detail is the peer's error text.
+    Remote,
+    /// A tower service failed (a make-service that can no longer make services, a handler's
+    /// `poll_ready`); the source is its error.
+    Service,
 }
 
 impl ErrorKind {
@@ -82,6 +89,8 @@ impl ErrorKind {
             ErrorKind::Unavailable => "unavailable",
             ErrorKind::Mismatch => "mismatched halves",
             ErrorKind::Config => "invalid configuration",
+            ErrorKind::Remote => "remote error",
+            ErrorKind::Service => "service failed",
         }
     }
 }
@@ -192,6 +201,11 @@ impl Error {
     /// True for [`ErrorKind::TimedOut`].
     pub fn is_timeout(&self) -> bool {
         self.inner.kind == ErrorKind::TimedOut
+    }
+
+    /// True for [`ErrorKind::Remote`].
+    pub fn is_remote(&self) -> bool {
+        self.inner.kind == ErrorKind::Remote
     }
 
     /// True for [`ErrorKind::Protocol`].

@@ -58,6 +58,9 @@
 //! * [`message`] — `Message`, `MsgType`, `Meta`, `Body`.
 //! * [`wire`] — the byte format of stream transports, sans-IO, specified in its docs.
 //! * the channel layer — [`Context`], [`Listener`], [`Channel`], [`Sender`], [`Receiver`].
+//! * [`middleware`] (feature `tower`, on by default) — everything message-shaped as a
+//!   `tower::Service<Message>`: type filters, metadata schemas, a router, `serve` for
+//!   listeners, a request/response `Client`, fan-out and fan-in.
 //! * the transports, private, each behind the same two traits.
 
 #![warn(missing_docs)]
@@ -69,6 +72,8 @@ mod channel;
 mod error;
 mod loom;
 pub mod message;
+#[cfg(feature = "tower")]
+pub mod middleware;
 mod transport;
 mod url;
 pub mod wire;

@@ -78,3 +78,55 @@ fn futures_are_send() {
     require_send(&tx.close());
     require_send(&rx.recv());
 }
+
+#[cfg(feature = "tower")]
+#[test]
+fn middleware_types_are_send_sync_unpin() {
+    use hyperframes::middleware::*;
+    type Handler = tower::util::BoxCloneSyncService<Message, Option<Message>, BoxError>;
+    assert_all!(
+        TypePattern,
+        TypeFilterLayer,
+        TypeFilterLayer<type_filter::Discard>,
+        TypeFilter<Sender>,
+        TypeFilter<Sender, type_filter::Discard>,
+        TypeFilter<Handler, type_filter::Fallback<Handler>>,
+        type_filter::Unmatched,
+        FilterStats,
+        MetaSchema,
+        MetaSchemaLayer,
+        MetaSchemaService<Sender>,
+        meta_schema::SchemaViolation,
+        meta_schema::Rule,
+        Value,
+        router::NoRoute,
+        Client,
+        ClientStats,
+        client::future::ResponseFuture,
+        ServeStats,
+        ShutdownHandle,
+        Incoming,
+        FanOut,
+        FanIn,
+        FanIn<String>,
+        type_filter::future::ResponseFuture<(), std::future::Ready<Result<(), Error>>, std::future::Ready<Result<(), Error>>>,
+        meta_schema::future::ResponseFuture<std::future::Ready<Result<(), Error>>>,
+    );
+    // Not Sync (boxed routes are `BoxCloneService`), but Send, so a server can run on any
+    // thread; `Serve` holds a boxed shutdown signal that is Send.
+    let _ = send::<Router<Option<Message>>>;
+    let _ = send::<Serve<tower::make::Shared<Handler>>>;
+}
+
+/// The middleware's futures are `Send`. Never run: only type-checked.
+#[cfg(feature = "tower")]
+#[allow(unreachable_code, unused_variables, unused_mut)]
+fn middleware_futures_are_send() {
+    use hyperframes::middleware::*;
+    type Handler = tower::util::BoxCloneSyncService<Message, Option<Message>, BoxError>;
+    let l: Listener = unimplemented!();
+    let ch: Channel = unimplemented!();
+    let h: Handler = unimplemented!();
+    require_send(&serve(l, tower::make::Shared::new(h.clone())).into_future());
+    require_send(&serve_channel(ch, h));
+}

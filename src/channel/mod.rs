@@ -186,7 +186,7 @@ impl Channel {
 }
 
 impl Sender {
-    fn poll_ready_inner(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
+    pub(crate) fn poll_ready_inner(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
         self.half.poll_ready(cx)
     }
 
@@ -270,10 +270,19 @@ impl Sender {
         match self.poll_ready_inner(&mut cx) {
             Poll::Ready(Ok(())) => {
                 self.start_send_inner(msg)?;
-                // A transport that must wait for room keeps the message and hands it over
-                // before the next one (or at flush/close).
-                let _ = self.half.poll_submit(&mut cx)?;
-                Ok(())
+                match self.half.poll_submit(&mut cx) {
+                    Poll::Ready(r) => r,
+                    // Accepted but not handed over (a shared-memory arena without room): take
+                    // it back rather than leave it waiting for a later call.
+                    Poll::Pending => match self.half.unstage() {
+                        Some(m) => Err(Error::new(
+                            ErrorKind::Full,
+                            format!("no room for the message to {} now", self.info.peer),
+                        )
+                        .with_message(m)),
+                        None => Ok(()),
+                    },
+                }
             }
             Poll::Ready(Err(e)) => Err(e.with_message(msg)),
             Poll::Pending => Err(Error::new(

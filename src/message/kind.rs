@@ -157,6 +157,7 @@ impl MsgType {
     }
 
     /// The name.
+    #[inline]
     pub fn as_str(&self) -> &str {
         match &self.0 {
             Repr::Static(s) => s,
@@ -172,6 +173,7 @@ impl MsgType {
     }
 
     /// The name as bytes (what goes on the wire).
+    #[inline]
     pub fn as_bytes(&self) -> &[u8] {
         self.as_str().as_bytes()
     }

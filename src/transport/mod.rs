@@ -126,6 +126,11 @@ pub(crate) trait SendHalf: Send + Sync + 'static {
     /// Hands staged messages to the transport. Ready once they are handed over (a transport
     /// writing into shared memory may have to wait for room).
     fn poll_submit(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>>;
+    /// Takes back the last message accepted by `start_send` if it was not handed over yet
+    /// (`poll_submit` was `Pending`), for `try_send`, which must not leave it behind.
+    fn unstage(&mut self) -> Option<Message> {
+        None
+    }
     /// Memory for a body of `len` bytes, written in place: the transport's own (a shared
     /// memory arena) where it has any, the heap otherwise.
     fn poll_alloc(&mut self, _cx: &mut Context<'_>, len: usize) -> Poll<Result<BodyMut>> {

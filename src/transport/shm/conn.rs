@@ -562,6 +562,10 @@ impl SendHalf for ShmSender {
         self.poll_drain(cx)
     }
 
+    fn unstage(&mut self) -> Option<Message> {
+        self.staged.pop_back()
+    }
+
     fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
         if self.closed {
             return Poll::Ready(Ok(()));

@@ -1,0 +1,209 @@
+//! Driving a handler on one channel.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll, ready};
+
+use futures_util::StreamExt;
+use futures_util::future::poll_fn;
+use futures_util::stream::FuturesUnordered;
+use pin_project_lite::pin_project;
+use tokio::sync::watch;
+use tower::Service;
+
+use super::{Counters, ERROR_TYPE};
+use crate::middleware::BoxError;
+use crate::{Channel, Error, ErrorKind, Flags, Header, Message, MsgType, Result};
+
+/// What a response needs from its request.
+struct Request {
+    header: Header,
+    kind: MsgType,
+}
+
+pin_project! {
+    /// A call in flight, with what its reply needs from the request.
+    struct Call<F> {
+        request: Option<Request>,
+        #[pin]
+        future: F,
+    }
+}
+
+impl<F: Future> Future for Call<F> {
+    type Output = (Request, F::Output);
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let out = ready!(this.future.poll(cx));
+        Poll::Ready((
+            this.request.take().expect("Call polled after completion"),
+            out,
+        ))
+    }
+}
+
+/// The longest error text put in an error reply, in bytes.
+const MAX_ERROR_TEXT: usize = 4096;
+
+/// The error reply to a failed request: see [`ERROR_TYPE`].
+pub(crate) fn error_reply(request_kind: &MsgType, correlation: u64, err: &BoxError) -> Message {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    if text.len() > MAX_ERROR_TEXT {
+        let mut at = MAX_ERROR_TEXT;
+        while !text.is_char_boundary(at) {
+            at -= 1;
+        }
+        text.truncate(at);
+    }
+    let msg = Message::new(MsgType::from_static(ERROR_TYPE))
+        .expect("a valid static type")
+        .with_body(text)
+        .with_header(Header {
+            flags: Flags::RESPONSE,
+            correlation,
+        });
+    // A type is at most 255 bytes of key-safe characters, so this cannot fail; stay silent
+    // rather than panic if it ever did.
+    msg.clone()
+        .with_meta("request-type", request_kind.as_str())
+        .unwrap_or(msg)
+}
+
+/// Runs `svc` on `channel` until the peer closes, the channel breaks, the service fails, or
+/// shutdown (then: stop reading, finish the calls in flight, close).
+///
+/// A message is received *before* the service's readiness is polled, so an idle channel
+/// holds no reservation; at most one received message waits for readiness, and at most
+/// `max_in_flight` calls run at once. Meanwhile nothing more is read, so the transport's
+/// receive queue fills and the peer is backpressured.
+pub(super) async fn drive<S>(
+    channel: Channel,
+    mut svc: S,
+    max_in_flight: usize,
+    mut shutdown: watch::Receiver<bool>,
+    stats: Arc<Counters>,
+) -> Result<()>
+where
+    S: Service<Message, Response = Option<Message>>,
+    S::Error: Into<BoxError>,
+{
+    let peer = channel.info().peer_url().to_owned();
+    let (mut tx, mut rx) = channel.split();
+    let mut in_flight: FuturesUnordered<Call<S::Future>> = FuturesUnordered::new();
+    let mut waiting: Option<Message> = None;
+    let mut reading = true;
+    let mut draining = *shutdown.borrow_and_update();
+    let mut outcome = Ok(());
+
+    loop {
+        let accepting =
+            reading && !draining && waiting.is_none() && in_flight.len() < max_in_flight;
+        if !accepting && waiting.is_none() && in_flight.is_empty() {
+            break;
+        }
+        tokio::select! {
+            biased;
+            // An error means the server is gone: shut down as well.
+            changed = shutdown.changed(), if !draining => {
+                draining = changed.is_err() || *shutdown.borrow_and_update();
+            }
+            Some((req, result)) = in_flight.next() => {
+                let reply = match result {
+                    Ok(Some(mut resp)) => {
+                        let h = resp.header_mut();
+                        h.flags = h.flags.union(Flags::RESPONSE);
+                        if h.correlation == 0 {
+                            h.correlation = req.header.correlation;
+                        }
+                        Some(resp)
+                    }
+                    Ok(None) => None,
+                    Err(e) => {
+                        let e: BoxError = e.into();
+                        stats.errors.fetch_add(1, Ordering::Relaxed);
+                        if let Some(held) = stats.log.allow() {
+                            tracing::warn!(
+                                "handler failed on a message of type `{}` from {peer}: {e}{}",
+                                req.kind,
+                                if held > 0 { format!(" ({held} more failures since the last warning)") } else { String::new() },
+                            );
+                        }
+                        req.header.flags.contains(Flags::REQUEST)
+                            .then(|| error_reply(&req.kind, req.header.correlation, &e))
+                    }
+                };
+                if let Some(reply) = reply {
+                    match tx.send(reply).await {
+                        Ok(()) => {
+                            stats.responses.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(mut e) if e.kind() == ErrorKind::LimitExceeded => {
+                            // Too large for the peer: this reply is lost, the channel is fine.
+                            stats.errors.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!("response to {peer} not sent: {e}");
+                            if req.header.flags.contains(Flags::REQUEST) {
+                                drop(e.take_message());
+                                let reason: BoxError = e.into();
+                                let _ = tx.send(error_reply(&req.kind, req.header.correlation, &reason)).await;
+                            }
+                        }
+                        Err(e) => {
+                            outcome = Err(e);
+                            break;
+                        }
+                    }
+                }
+            }
+            ready = poll_fn(|cx| svc.poll_ready(cx)), if waiting.is_some() => match ready {
+                Ok(()) => {
+                    let msg = waiting.take().expect("a waiting message");
+                    let req = Request { header: msg.header(), kind: msg.kind().clone() };
+                    stats.calls.fetch_add(1, Ordering::Relaxed);
+                    in_flight.push(Call { request: Some(req), future: svc.call(msg) });
+                }
+                Err(e) => {
+                    let e: BoxError = e.into();
+                    outcome = Err(Error::new(
+                        ErrorKind::Service,
+                        format!("the handler of the channel with {peer} failed and can take no more messages"),
+                    )
+                    .with_source(e));
+                    break;
+                }
+            },
+            next = rx.recv(), if accepting => match next {
+                Some(Ok(msg)) => waiting = Some(msg),
+                Some(Err(e)) => {
+                    // Finish what is in flight (its replies will likely fail too), then end.
+                    reading = false;
+                    outcome = Err(e);
+                }
+                None => reading = false,
+            },
+            else => break,
+        }
+    }
+    if let Some(msg) = waiting.take() {
+        tracing::warn!(
+            "a message of type `{}` from {peer} was received but not handled: the channel ended",
+            msg.kind()
+        );
+    }
+    // Calls still in flight here are abandoned only on error (the loop drains them otherwise).
+    drop(in_flight);
+    let closed = tx.close().await;
+    outcome.and(match closed {
+        // The peer may have gone first; that is the end of the channel, not a failure.
+        Err(e) if e.is_closed() => Ok(()),
+        other => other,
+    })
+}
