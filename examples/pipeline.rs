@@ -5,6 +5,8 @@
 //! cargo run --release --example pipeline            # over inproc://
 //! cargo run --release --example pipeline -- tcp     # over tcp://127.0.0.1
 //! cargo run --release --example pipeline -- tcp 8   # 8 workers
+//! cargo run --release --example pipeline -- shm     # over shm:// (processes would use it;
+//!                                                   # here the stages share one process)
 //! ```
 //!
 //! ```text
@@ -60,7 +62,10 @@ async fn main() -> Result<(), BoxError> {
     let url = |name: &str| match transport.as_str() {
         "inproc" => Ok(format!("inproc://{name}")),
         "tcp" => Ok("tcp://127.0.0.1:0".to_owned()),
-        other => Err(format!("unknown transport {other:?}: use inproc or tcp")),
+        "shm" => Ok(format!("shm://{name}-{}", std::process::id())),
+        other => Err(format!(
+            "unknown transport {other:?}: use inproc, tcp or shm"
+        )),
     };
     let ctx = Context::new();
     let started = Instant::now();

@@ -275,6 +275,9 @@ pub(crate) struct ShmSender {
     region: u64,
     /// At most one message that found no room at `start_send`.
     staged: VecDeque<Message>,
+    /// Arena bytes (head and body) of the last message handed back for lack of room:
+    /// `poll_ready` waits for that much, so that a retry finds it.
+    want: Option<u64>,
     external_sent: u64,
     closed: bool,
 }
@@ -289,6 +292,7 @@ impl ShmSender {
             refs,
             sh,
             staged: VecDeque::new(),
+            want: None,
             external_sent: 0,
             closed: false,
         }
@@ -528,13 +532,42 @@ impl ShmSender {
     }
 }
 
+impl ShmSender {
+    /// Ready when the next message can be written: a free ring slot, and arena room for the
+    /// message last handed back, if any.
+    fn poll_room_for_next(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        loop {
+            let why = if self.ring.free().map_err(corrupt)? == 0 {
+                NoRoom::Ring
+            } else if let Some(want) = self.want
+                && !self.arena.has_room(&self.refs, want)
+            {
+                NoRoom::Arena
+            } else {
+                self.want = None;
+                return Poll::Ready(Ok(()));
+            };
+            match self.poll_room(cx, why) {
+                Poll::Ready(r) => {
+                    r?;
+                    self.check()?;
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}
+
 impl SendHalf for ShmSender {
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
         self.check()?;
-        if self.staged.is_empty() {
-            return Poll::Ready(Ok(()));
+        if !self.staged.is_empty() {
+            match self.poll_drain(cx) {
+                Poll::Ready(r) => r?,
+                Poll::Pending => return Poll::Pending,
+            }
         }
-        match self.poll_drain(cx) {
+        match self.poll_room_for_next(cx) {
             Poll::Ready(r) => Poll::Ready(r.and_then(|()| self.check())),
             Poll::Pending => Poll::Pending,
         }
@@ -563,7 +596,16 @@ impl SendHalf for ShmSender {
     }
 
     fn unstage(&mut self) -> Option<Message> {
-        self.staged.pop_back()
+        let m = self.staged.pop_back()?;
+        let head = (m.kind().len() + m.meta().encoded_len()) as u64;
+        let body = m.body().len() as u64;
+        // The larger of the two blocks it needs (the head goes inline when it is small).
+        self.want = Some(if head as usize > Desc::INLINE {
+            head.max(body)
+        } else {
+            body
+        });
+        Some(m)
     }
 
     fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
