@@ -383,7 +383,12 @@ impl ShmSender {
                 arena::release(&this.refs, at);
             }
         };
-        if body_len > 0 {
+        if body_len > 0 && head_block.is_none() && head_len + body_len as usize <= Desc::INLINE {
+            // Small enough to ride in the descriptor: no arena block at all.
+            let bytes = body.as_bytes().expect("host bodies only");
+            d.inline[head_len..head_len + bytes.len()].copy_from_slice(bytes);
+            d.place |= Desc::BODY_INLINE;
+        } else if body_len > 0 {
             let bytes = body.as_bytes().expect("host bodies only");
             match body.lease_tag() {
                 Some(LeaseTag { region, offset }) if region == self.region => {
@@ -827,8 +832,16 @@ impl ShmReceiver {
         } else {
             Meta::from_valid_wire(Bytes::copy_from_slice(meta_raw))
         };
-        let body = match d.place & (Desc::BODY_IN_ARENA | Desc::BODY_EXTERNAL) {
+        let body = match d.place & (Desc::BODY_IN_ARENA | Desc::BODY_EXTERNAL | Desc::BODY_INLINE) {
             0 if d.body_len == 0 => Bytes::new(),
+            Desc::BODY_INLINE => {
+                if d.place & Desc::HEAD_IN_ARENA != 0
+                    || head_len as u64 + d.body_len > Desc::INLINE as u64
+                {
+                    return Err(corrupt("inline body does not fit the descriptor"));
+                }
+                Bytes::copy_from_slice(&d.inline[head_len..head_len + d.body_len as usize])
+            }
             Desc::BODY_IN_ARENA => {
                 let at = arena::validate(arena_len, d.body_at, d.body_len)
                     .ok_or_else(|| corrupt("body block out of the arena"))?;

@@ -53,6 +53,8 @@ impl Desc {
     pub(crate) const BODY_IN_ARENA: u8 = 0b010;
     /// The body is an external memfd, number `body_at` in the order passed on the socket.
     pub(crate) const BODY_EXTERNAL: u8 = 0b100;
+    /// The body follows the head in `inline` (small messages travel in the descriptor alone).
+    pub(crate) const BODY_INLINE: u8 = 0b1000;
 
     #[cfg(test)]
     pub(crate) const fn zeroed() -> Desc {
