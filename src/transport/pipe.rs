@@ -91,6 +91,26 @@ impl Signal {
         }
     }
 
+    /// Waits for `check` to give a value: checks, and if nothing, arms and checks again
+    /// (the waiter's half of the protocol in one place).
+    pub(crate) fn poll_until<T>(
+        &self,
+        cx: &mut Context<'_>,
+        mut check: impl FnMut() -> Option<T>,
+    ) -> Poll<T> {
+        if let Some(v) = check() {
+            return Poll::Ready(v);
+        }
+        self.arm(cx);
+        match check() {
+            Some(v) => {
+                self.disarm();
+                Poll::Ready(v)
+            }
+            None => Poll::Pending,
+        }
+    }
+
     /// Wakes the waiter whether or not it announced sleep (for rare events: close, failure).
     pub(crate) fn wake(&self) {
         self.sleeping.store(false, Ordering::Relaxed);

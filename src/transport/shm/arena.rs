@@ -92,7 +92,19 @@ impl ArenaProducer {
         block_len(payload) > self.len
     }
 
-    /// Allocates a block for `payload` bytes with `refs` initial references; returns its
+    /// Where a block of `need` bytes would go now: the bytes to skip at the end of the arena
+    /// first, or `None` when it does not fit until blocks are reclaimed.
+    fn fit(&self, need: u64) -> Option<u64> {
+        let pos = self.alloc % self.len;
+        let skip = if pos + need > self.len {
+            self.len - pos
+        } else {
+            0
+        };
+        (self.alloc + skip + need - self.reclaimed <= self.len).then_some(skip)
+    }
+
+    /// Allocates a block for `payload` bytes with `count` initial references; returns its
     /// offset, or `None` when there is no room even after reclaiming.
     pub(crate) fn alloc(&mut self, refs: &impl BlockRefs, payload: u64, count: u32) -> Option<u64> {
         let need = block_len(payload);
@@ -100,13 +112,7 @@ impl ArenaProducer {
             return None;
         }
         loop {
-            let pos = self.alloc % self.len;
-            let skip = if pos + need > self.len {
-                self.len - pos
-            } else {
-                0
-            };
-            if self.alloc + skip + need - self.reclaimed <= self.len {
+            if let Some(skip) = self.fit(need) {
                 if skip > 0 {
                     self.live.push_back(Live {
                         start: self.alloc,
@@ -140,13 +146,7 @@ impl ArenaProducer {
             return true; // never in the arena: not ours to wait for
         }
         loop {
-            let pos = self.alloc % self.len;
-            let skip = if pos + need > self.len {
-                self.len - pos
-            } else {
-                0
-            };
-            if self.alloc + skip + need - self.reclaimed <= self.len {
+            if self.fit(need).is_some() {
                 return true;
             }
             if !self.reclaim(refs) {

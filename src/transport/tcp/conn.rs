@@ -429,17 +429,9 @@ fn local_done(c: &Conn) -> bool {
 /// Ready when the read loop must stop reading frames: the connection failed, or
 /// [`local_done`].
 fn poll_stop(conn: &Conn, cx: &mut Context<'_>) -> Poll<()> {
-    let stop = |c: &Conn| c.failed() || local_done(c);
-    if stop(conn) {
-        return Poll::Ready(());
-    }
-    conn.inp.to_producer.arm(cx);
-    if stop(conn) {
-        conn.inp.to_producer.disarm();
-        Poll::Ready(())
-    } else {
-        Poll::Pending
-    }
+    conn.inp
+        .to_producer
+        .poll_until(cx, || (conn.failed() || local_done(conn)).then_some(()))
 }
 
 /// The error type of the loops: the error, and whether to tell the peer about it.
@@ -617,15 +609,7 @@ async fn drain<S: Io>(conn: &Conn, stream: &S, cfg: &Config) -> Result<(), LoopE
 
 /// Ready once the connection has failed; waits on `signal`, which `Conn::fail` wakes.
 fn poll_failed(signal: &Signal, conn: &Conn, cx: &mut Context<'_>) -> Poll<()> {
-    if conn.failed() {
-        return Poll::Ready(());
-    }
-    signal.arm(cx);
-    if conn.failed() {
-        signal.disarm();
-        return Poll::Ready(());
-    }
-    Poll::Pending
+    signal.poll_until(cx, || conn.failed().then_some(()))
 }
 
 /// Hands the decoded `batch` to the Receiver, waiting for room (which pauses reading and so
@@ -668,28 +652,17 @@ enum Work {
 
 /// Waits until there is something for the write loop.
 fn poll_work(conn: &Conn, cx: &mut Context<'_>) -> Poll<Work> {
-    let check = |c: &Conn| {
-        if c.failed() {
+    conn.out.to_consumer.poll_until(cx, || {
+        if conn.failed() {
             Some(Work::Failed)
-        } else if !c.out.is_empty() || c.stop_owed.load(Ordering::Acquire) {
+        } else if !conn.out.is_empty() || conn.stop_owed.load(Ordering::Acquire) {
             Some(Work::Ready)
-        } else if c.out.is_tx_closed() && c.out.is_empty() {
+        } else if conn.out.is_tx_closed() && conn.out.is_empty() {
             Some(Work::Closed)
         } else {
             None
         }
-    };
-    if let Some(w) = check(conn) {
-        return Poll::Ready(w);
-    }
-    conn.out.to_consumer.arm(cx);
-    match check(conn) {
-        Some(w) => {
-            conn.out.to_consumer.disarm();
-            Poll::Ready(w)
-        }
-        None => Poll::Pending,
-    }
+    })
 }
 
 enum AfterClose {
@@ -701,28 +674,17 @@ enum AfterClose {
 /// After our `CLOSE`: waits until a `STOP` is owed, or nothing more can be (our Receiver is
 /// gone, or the peer finished), or the connection failed.
 fn poll_after_close(conn: &Conn, cx: &mut Context<'_>) -> Poll<AfterClose> {
-    let check = |c: &Conn| {
-        if c.failed() {
+    conn.out.to_consumer.poll_until(cx, || {
+        if conn.failed() {
             Some(AfterClose::Failed)
-        } else if c.stop_owed.swap(false, Ordering::AcqRel) {
+        } else if conn.stop_owed.swap(false, Ordering::AcqRel) {
             Some(AfterClose::Stop)
-        } else if c.inp.is_rx_closed() || c.reader_done.load(Ordering::Acquire) {
+        } else if conn.inp.is_rx_closed() || conn.reader_done.load(Ordering::Acquire) {
             Some(AfterClose::Done)
         } else {
             None
         }
-    };
-    if let Some(w) = check(conn) {
-        return Poll::Ready(w);
-    }
-    conn.out.to_consumer.arm(cx);
-    match check(conn) {
-        Some(w) => {
-            conn.out.to_consumer.disarm();
-            Poll::Ready(w)
-        }
-        None => Poll::Pending,
-    }
+    })
 }
 
 /// Writes `bufs` unless the connection fails first. `Ok(false)`: it failed; the socket is
