@@ -8,29 +8,19 @@
 //! the receiver: the sender streams N messages and an end marker, the clock stops at the
 //! peer's acknowledgement. A ratio summary is printed at the end.
 
-use std::collections::BTreeMap;
 use std::hint::black_box;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+mod common;
+
 use bytes::Bytes;
+use common::{Peer, record};
 use criterion::{Criterion, Throughput};
 use futures_util::SinkExt;
 use hyperframes::{Context, Message};
 
 const SMALL: usize = 64;
 const BIG: usize = 4 << 20;
-
-static TOTALS: Mutex<BTreeMap<(String, String), (f64, u64)>> = Mutex::new(BTreeMap::new());
-
-fn record(group: &str, func: &str, elapsed: Duration, items: u64) {
-    let mut t = TOTALS.lock().unwrap();
-    let e = t.entry((group.into(), func.into())).or_insert((0.0, 0));
-    e.0 += elapsed.as_secs_f64();
-    e.1 += items;
-}
 
 fn ctx(busy: bool) -> Context {
     Context::builder()
@@ -95,15 +85,6 @@ fn peer_main(spec: &str) {
 
 // ------------------------------------------------------------------ bench side
 
-struct Peer(Child);
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 async fn pair(mode: &str, busy: bool) -> (hyperframes::Channel, Peer) {
@@ -114,19 +95,9 @@ async fn pair(mode: &str, busy: bool) -> (hyperframes::Channel, Peer) {
     );
     let mut l = ctx(busy).bind(&url).await.unwrap();
     let spec = format!("{mode} {} {url}", if busy { "busy" } else { "park" });
-    let peer = tokio::task::spawn_blocking(move || {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .env("HF_BENCH_PEER", spec)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        assert_eq!(lines.next().unwrap().unwrap(), "READY");
-        Peer(child)
-    })
-    .await
-    .unwrap();
+    let peer = tokio::task::spawn_blocking(move || Peer::spawn(&[("HF_BENCH_PEER", &spec)]))
+        .await
+        .unwrap();
     (l.accept().await.unwrap(), peer)
 }
 
@@ -256,8 +227,7 @@ fn bench_bandwidth(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
 }
 
 fn summary() {
-    let t = TOTALS.lock().unwrap();
-    let per_s = |g: &str, f: &str| t.get(&(g.into(), f.into())).map(|(s, n)| *n as f64 / s);
+    let per_s = common::per_second;
     println!("\nsummary (same run)");
     for f in ["parking", "busy_poll"] {
         if let Some(r) = per_s("shm_pingpong_64B", f) {

@@ -11,13 +11,12 @@
 //! through a 64 KiB `BufWriter` (large payloads bypass the buffer, so nothing is copied) and a
 //! 256 KiB `BufReader`, each received payload in a buffer of its own.
 
-use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader as StdBufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
+mod common;
+
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use common::{Peer, record};
 use criterion::{Criterion, Throughput};
 use hyperframes::{Context, IoEngine, Message};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
@@ -25,16 +24,6 @@ use tokio::net::TcpStream;
 
 const RATE_SIZE: usize = 64;
 const BW_SIZE: usize = 4 << 20;
-
-/// Seconds and items per (group, function), for the ratio summary.
-static TOTALS: Mutex<BTreeMap<(String, String), (f64, u64)>> = Mutex::new(BTreeMap::new());
-
-fn record(group: &str, func: &str, elapsed: Duration, items: u64) {
-    let mut t = TOTALS.lock().unwrap();
-    let e = t.entry((group.into(), func.into())).or_insert((0.0, 0));
-    e.0 += elapsed.as_secs_f64();
-    e.1 += items;
-}
 
 // ------------------------------------------------------------------ peer side
 
@@ -116,27 +105,13 @@ async fn tokio_peer(mode: &str, url: &str) {
 
 // ------------------------------------------------------------------ bench side
 
-struct Peer(Child);
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn spawn_peer(kind: &str, mode: &str, url: &str, engine: Option<&str>) -> Peer {
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.env("HF_BENCH_PEER", format!("{kind} {mode} {url}"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+    let spec = format!("{kind} {mode} {url}");
+    let mut envs = vec![("HF_BENCH_PEER", spec.as_str())];
     if let Some(e) = engine {
-        cmd.env("HYPERFRAMES_IO", e);
+        envs.push(("HYPERFRAMES_IO", e));
     }
-    let mut child = cmd.spawn().unwrap();
-    let mut lines = StdBufReader::new(child.stdout.take().unwrap()).lines();
-    assert_eq!(lines.next().unwrap().unwrap(), "READY");
-    Peer(child)
+    Peer::spawn(&envs)
 }
 
 const ENGINES: [IoEngine; 3] = [IoEngine::Uring, IoEngine::Epoll, IoEngine::Inline];
@@ -302,28 +277,19 @@ fn bench_latency(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
 }
 
 fn summary() {
-    let t = TOTALS.lock().unwrap();
     println!("\nsummary (same run; ratio = hyperframes / tokio baseline, >1 is better for rates)");
-    let groups: std::collections::BTreeSet<_> = t.keys().map(|(g, _)| g.clone()).collect();
-    for g in groups {
-        let base = t
-            .get(&(g.clone(), "tokio_tcpstream".into()))
-            .map(|(s, n)| *n as f64 / s);
-        for ((gg, f), (s, n)) in t.iter() {
-            if *gg != g {
-                continue;
-            }
-            let per_s = *n as f64 / s;
-            let (value, unit) = if g.contains("bw") {
-                (per_s * BW_SIZE as f64 / 1e9, "GB/s")
-            } else if g.contains("pingpong") {
-                (1e6 / per_s / 2.0, "us one-way")
-            } else {
-                (per_s / 1e6, "M msg/s")
-            };
-            let ratio = base.map(|b| per_s / b).unwrap_or(f64::NAN);
-            println!("  {g:<20} {f:<22} {value:>9.3} {unit:<11} ratio {ratio:.2}");
-        }
+    let all = common::all();
+    for (g, f, per_s) in &all {
+        let base = common::per_second(g, "tokio_tcpstream");
+        let (value, unit) = if g.contains("bw") {
+            (per_s * BW_SIZE as f64 / 1e9, "GB/s")
+        } else if g.contains("pingpong") {
+            (1e6 / per_s / 2.0, "us one-way")
+        } else {
+            (per_s / 1e6, "M msg/s")
+        };
+        let ratio = base.map(|b| per_s / b).unwrap_or(f64::NAN);
+        println!("  {g:<20} {f:<22} {value:>9.3} {unit:<11} ratio {ratio:.2}");
     }
 }
 

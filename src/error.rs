@@ -129,6 +129,7 @@ impl Error {
 
     /// An I/O error, classified: refused/reset/aborted/broken pipe become their own kinds
     /// where they mean something to a channel user.
+    #[cfg_attr(not(any(feature = "tcp", feature = "shm")), allow(dead_code))]
     pub(crate) fn io(context: impl Into<Cow<'static, str>>, err: io::Error) -> Error {
         let kind = match err.kind() {
             io::ErrorKind::ConnectionReset
@@ -146,6 +147,7 @@ impl Error {
         e
     }
 
+    #[cfg_attr(not(any(feature = "tcp", feature = "shm")), allow(dead_code))]
     pub(crate) fn with_source(
         mut self,
         source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -161,6 +163,7 @@ impl Error {
 
     /// A copy for a second observer (both halves of a channel report one failure): same kind,
     /// detail and I/O kind, the source flattened into the text, no message.
+    #[cfg_attr(not(any(feature = "tcp", feature = "tower")), allow(dead_code))]
     pub(crate) fn duplicate(&self) -> Error {
         let detail = match &self.inner.source {
             Some(src) => Cow::Owned(format!("{}: {}", self.inner.detail, src)),

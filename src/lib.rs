@@ -70,6 +70,7 @@ compile_error!("hyperframes supports 64-bit targets only");
 
 mod channel;
 mod error;
+#[cfg(feature = "shm")]
 mod loom;
 pub mod message;
 #[cfg(feature = "tower")]

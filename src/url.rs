@@ -113,6 +113,7 @@ impl Endpoint {
         }
     }
 
+    #[cfg(feature = "tcp")]
     pub(crate) fn from_socket_addr(addr: SocketAddr) -> Endpoint {
         Endpoint::Tcp {
             host: addr.ip().to_string(),

@@ -17,6 +17,7 @@ use crate::{BodyMut, Error, ErrorKind, Message};
 
 #[cfg(feature = "inproc")]
 mod inproc;
+#[cfg(any(feature = "tcp", feature = "inproc"))]
 pub(crate) mod pipe;
 #[cfg(feature = "shm")]
 mod shm;

@@ -165,21 +165,14 @@ impl TcpSender {
         cx: &mut Context<'_>,
         done: impl Fn(&Conn) -> bool,
     ) -> Poll<Result<()>> {
-        if done(&self.conn) {
-            return Poll::Ready(Ok(()));
-        }
-        if let Some(e) = self.conn.error() {
-            return Poll::Ready(Err(e));
-        }
-        self.conn.out.to_producer.arm(cx);
-        if done(&self.conn) {
-            self.conn.out.to_producer.disarm();
-            return Poll::Ready(Ok(()));
-        }
-        match self.conn.error() {
-            Some(e) => Poll::Ready(Err(e)),
-            None => Poll::Pending,
-        }
+        let conn = &self.conn;
+        conn.out.to_producer.poll_until(cx, || {
+            if done(conn) {
+                Some(Ok(()))
+            } else {
+                conn.error().map(Err)
+            }
+        })
     }
 }
 
