@@ -24,9 +24,10 @@
 //! or sizes). Logging goes to stderr through `tracing`, filtered by `RUST_LOG` (default
 //! `warn`); `HYPERFRAMES_IO=epoll|uring|auto` picks the TCP engine.
 //!
-//! Subcommands are a clap enum, so `bench` and `doctor` can join `listen` and `send` later
-//! without changing the existing ones.
+//! * `hf bench` measures latency, message rate and bandwidth of every transport with the
+//!   peer in a second process (see `bench/mod.rs`).
 
+mod bench;
 mod listen;
 mod output;
 mod send;
@@ -41,6 +42,7 @@ const AFTER_HELP: &str = "\
 Examples:
   hf listen tcp://127.0.0.1:5555 --count 2
   hf send tcp://127.0.0.1:5555 --type demo.hello --meta k=v --size 1KiB --count 2
+  hf bench
 
 URLs: tcp://HOST:PORT (IPv6 in brackets: tcp://[::1]:5555; port 0 picks a free port when
 listening), inproc://NAME (inside one process only).
@@ -77,6 +79,9 @@ enum Command {
     /// Connect to a URL and send messages.
     #[command(after_help = send::AFTER_HELP)]
     Send(send::SendArgs),
+    /// Measure latency, message rate and bandwidth, with the peer in a second process.
+    #[command(after_help = bench::AFTER_HELP)]
+    Bench(bench::BenchArgs),
 }
 
 /// Why `hf` stops with a non-zero status: one line for stderr and the status.
@@ -111,6 +116,15 @@ pub(crate) fn build_context(
     builder.build().map_err(Failure::runtime)
 }
 
+/// Runs `work` on a multi-threaded runtime.
+fn multi_thread(work: impl Future<Output = Result<(), Failure>>) -> Result<(), Failure> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Failure::runtime(format!("cannot start a runtime: {e}")))?
+        .block_on(work)
+}
+
 fn init_logging() {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
@@ -121,14 +135,15 @@ fn init_logging() {
         .try_init();
 }
 
-#[tokio::main]
-async fn main() {
+fn main() {
     // Usage errors, --help and --version are clap's: it prints them and exits (2 or 0).
     let cli = Cli::parse();
     init_logging();
     let result = match cli.command {
-        Command::Listen(args) => listen::run(args).await,
-        Command::Send(args) => send::run(args).await,
+        // The bench pins threads first, then builds its own single-threaded runtime.
+        Command::Bench(args) => bench::main(args),
+        Command::Listen(args) => multi_thread(listen::run(args)),
+        Command::Send(args) => multi_thread(send::run(args)),
     };
     let code = match result {
         Ok(()) => 0,
