@@ -3,6 +3,7 @@
 //! ```text
 //! hf listen tcp://127.0.0.1:5555 --count 2
 //! hf send   tcp://127.0.0.1:5555 --type demo.hello --meta k=v --size 1KiB --count 2
+//! hf doctor --json
 //! ```
 //!
 //! * `hf listen URL` binds `URL`, prints `listening on <url>` on stderr (with the real port
@@ -17,6 +18,9 @@
 //!   with the `--meta KEY=VALUE` entries and a body of `--size` bytes of a fixed pattern
 //!   (byte `i` is `i % 251`) or the contents of `--file`, then closes its direction and
 //!   waits (briefly, see `--linger`) for the peer to close its own.
+//! * `hf doctor` checks this host against the deployment checklist (io_uring, memlock, RDMA,
+//!   GPUs, NUMA, MTU, CPU governor, huge pages, socket buffers, shared memory) and prints one
+//!   finding per line with its fix; `--json` prints them as JSON lines. Always exit status 0.
 //!
 //! Errors are one line on stderr, `hf: error: <what>`. Exit status: 0 on success, 1 when
 //! something failed at run time (connection refused or lost, unreadable file, address in
@@ -27,6 +31,7 @@
 //! Subcommands are a clap enum, so `bench` and `doctor` can join `listen` and `send` later
 //! without changing the existing ones.
 
+mod doctor;
 mod listen;
 mod output;
 mod send;
@@ -41,6 +46,7 @@ const AFTER_HELP: &str = "\
 Examples:
   hf listen tcp://127.0.0.1:5555 --count 2
   hf send tcp://127.0.0.1:5555 --type demo.hello --meta k=v --size 1KiB --count 2
+  hf doctor                 # is this host set up for speed? each finding with its fix
 
 URLs: tcp://HOST:PORT (IPv6 in brackets: tcp://[::1]:5555; port 0 picks a free port when
 listening), inproc://NAME (inside one process only).
@@ -77,6 +83,9 @@ enum Command {
     /// Connect to a URL and send messages.
     #[command(after_help = send::AFTER_HELP)]
     Send(send::SendArgs),
+    /// Check this host for speed (io_uring, memlock, RDMA, GPUs, NUMA, MTU, buffers), with fixes
+    #[command(after_help = doctor::AFTER_HELP)]
+    Doctor(doctor::DoctorArgs),
 }
 
 /// Why `hf` stops with a non-zero status: one line for stderr and the status.
@@ -129,6 +138,7 @@ async fn main() {
     let result = match cli.command {
         Command::Listen(args) => listen::run(args).await,
         Command::Send(args) => send::run(args).await,
+        Command::Doctor(args) => doctor::run(args).await,
     };
     let code = match result {
         Ok(()) => 0,
