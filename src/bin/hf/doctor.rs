@@ -667,10 +667,13 @@ fn rdma_ports(host: &Host) -> Vec<RdmaPort> {
 fn check_rdma(host: &Host, ports: &[RdmaPort]) -> Vec<Finding> {
     const CHECK: &str = "rdma";
     if ports.is_empty() {
-        let netdev = up_interfaces(host)
-            .into_iter()
-            .next()
-            .unwrap_or_else(|| "eth0".to_owned());
+        // Soft-RoCE goes on a real NIC: one with a device behind it, else any that is up.
+        let up = up_interfaces(host);
+        let netdev = up
+            .iter()
+            .find(|n| host.exists(&format!("/sys/class/net/{n}/device")))
+            .or(up.first())
+            .map_or("ETH", String::as_str);
         let release = host.read("/proc/sys/kernel/osrelease").unwrap_or_default();
         let modules = format!("/lib/modules/{release}");
         let rxe = if host.exists("/sys/module/rdma_rxe") {
@@ -1877,6 +1880,8 @@ mod tests {
     fn no_rdma_device_is_a_finding() {
         let fake = Fake::new();
         fake.netdev("ens5", 1500, -1)
+            .file("/sys/class/net/docker0/flags", "0x1003")
+            .file("/sys/class/net/docker0/operstate", "up")
             .file("/proc/sys/kernel/osrelease", "6.8.0-45-generic")
             .file(
                 "/lib/modules/6.8.0-45-generic/kernel/drivers/infiniband/sw/rxe/rdma_rxe.ko.zst",
