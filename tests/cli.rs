@@ -742,3 +742,122 @@ fn usage_and_help() {
         }
     }
 }
+
+/// Every check `hf doctor` runs, in its order.
+const DOCTOR_CHECKS: [&str; 18] = [
+    "io_uring",
+    "memlock",
+    "rdma",
+    "uverbs",
+    "cuda",
+    "gpu",
+    "gpudirect",
+    "numa",
+    "mtu",
+    "cpu_governor",
+    "thp",
+    "hugepages",
+    "net.core.rmem_max",
+    "net.core.wmem_max",
+    "net.ipv4.tcp_rmem",
+    "net.ipv4.tcp_wmem",
+    "shm",
+    "dev_shm",
+];
+
+const DOCTOR_STATUSES: [&str; 5] = ["ok", "warn", "info", "absent", "error"];
+
+#[test]
+fn doctor_prints_a_line_per_check() {
+    let out = run(&["doctor"]);
+    assert_eq!(out.status.code(), Some(0), "{:#?}", out.stderr);
+    // Finding lines start with a status; `fix:` lines are indented under them.
+    let findings: Vec<(&str, &str)> = out
+        .stdout
+        .iter()
+        .filter(|l| !l.starts_with(' ') && !l.is_empty())
+        .filter_map(|l| {
+            let mut words = l.split_whitespace();
+            Some((words.next()?, words.next()?))
+        })
+        .filter(|(status, _)| DOCTOR_STATUSES.contains(status))
+        .collect();
+    let mut checks: Vec<&str> = findings.iter().map(|(_, check)| *check).collect();
+    checks.dedup();
+    assert_eq!(checks, DOCTOR_CHECKS, "{:#?}", out.stdout);
+    for line in out.stdout.iter().filter(|l| l.starts_with(' ')) {
+        assert!(
+            line.trim_start().starts_with("fix: ") || line.starts_with(&" ".repeat(30)),
+            "an indented line that is not part of a fix: {line:?}"
+        );
+    }
+    let last = out.stdout.last().expect("a summary line");
+    assert!(
+        last.starts_with(&format!("{} findings", findings.len())),
+        "{last:?}"
+    );
+    // Both probes talk to the library: a loopback connection here must work.
+    for (status, check) in &findings {
+        if ["io_uring", "shm"].contains(check) {
+            assert!(["ok", "warn"].contains(status), "{:#?}", out.stdout);
+        }
+    }
+}
+
+#[test]
+fn doctor_json_lines() {
+    let out = run_with(
+        hf().args(["doctor", "--json"])
+            .env("HYPERFRAMES_IO", "epoll"),
+        None,
+    );
+    assert_eq!(out.status.code(), Some(0), "{:#?}", out.stderr);
+    let mut checks = Vec::new();
+    for line in &out.stdout {
+        let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+        let obj = v.as_object().expect("an object per line");
+        assert_eq!(obj.len(), 4, "{line}");
+        let check = v["check"].as_str().expect("check is a string");
+        let status = v["status"].as_str().expect("status is a string");
+        assert!(DOCTOR_STATUSES.contains(&status), "{line}");
+        assert!(
+            !v["found"].as_str().expect("found is a string").is_empty(),
+            "{line}"
+        );
+        assert!(v["fix"].is_null() || v["fix"].is_string(), "{line}");
+        if status == "warn" {
+            assert!(v["fix"].is_string(), "a warning comes with its fix: {line}");
+        }
+        if check == "io_uring" {
+            // The probe ignores the forcing variable but says it is set.
+            assert!(
+                v["found"]
+                    .as_str()
+                    .unwrap()
+                    .contains("HYPERFRAMES_IO=epoll"),
+                "{line}"
+            );
+        }
+        if checks.last() != Some(&check.to_owned()) {
+            checks.push(check.to_owned());
+        }
+    }
+    assert_eq!(checks, DOCTOR_CHECKS, "{:#?}", out.stdout);
+}
+
+#[test]
+fn doctor_usage() {
+    let out = run(&["doctor", "--frobnicate"]);
+    assert_eq!(out.status.code(), Some(2), "{:#?}", out.stderr);
+    let out = run(&["doctor", "--help"]);
+    assert!(out.status.success());
+    let text = out.stdout.join("\n");
+    for needle in ["--json", "memlock", "absent", "fix"] {
+        assert!(
+            text.contains(needle),
+            "doctor --help lacks {needle}: {text}"
+        );
+    }
+    let out = run(&["--help"]);
+    assert!(out.stdout.join("\n").contains("doctor"));
+}

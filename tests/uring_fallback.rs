@@ -100,3 +100,37 @@ async fn forced_io_uring_where_refused_is_a_clear_error() {
     assert!(stderr.contains("io_uring is not available"), "{stderr}");
     assert!(stderr.contains("HYPERFRAMES_IO"), "{stderr}");
 }
+
+/// `hf doctor` where io_uring is refused: the io_uring finding warns, says tcp:// runs on
+/// epoll and gives the fix; the exit status stays 0.
+#[cfg(feature = "cli")]
+#[test]
+fn doctor_reports_refused_io_uring() {
+    if !strace_available() {
+        return;
+    }
+    let out = Command::new("strace")
+        .args(["-f", "-o", "/dev/null", "-e", "trace=io_uring_setup"])
+        .args(["-e", "inject=io_uring_setup:error=EPERM"])
+        .arg(env!("CARGO_BIN_EXE_hf"))
+        .args(["doctor", "--json"])
+        .env_remove("HYPERFRAMES_IO")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("\"check\":\"io_uring\""))
+        .unwrap_or_else(|| panic!("no io_uring finding: {stdout}"));
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(v["status"], "warn", "{line}");
+    assert!(
+        v["found"].as_str().unwrap().contains("falls back to epoll"),
+        "{line}"
+    );
+    assert!(
+        v["fix"].as_str().unwrap().contains("io_uring_setup"),
+        "{line}"
+    );
+}

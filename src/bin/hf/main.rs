@@ -3,6 +3,7 @@
 //! ```text
 //! hf listen tcp://127.0.0.1:5555 --count 2
 //! hf send   tcp://127.0.0.1:5555 --type demo.hello --meta k=v --size 1KiB --count 2
+//! hf doctor --json
 //! ```
 //!
 //! * `hf listen URL` binds `URL`, prints `listening on <url>` on stderr (with the real port
@@ -17,17 +18,20 @@
 //!   with the `--meta KEY=VALUE` entries and a body of `--size` bytes of a fixed pattern
 //!   (byte `i` is `i % 251`) or the contents of `--file`, then closes its direction and
 //!   waits (briefly, see `--linger`) for the peer to close its own.
+//! * `hf bench` measures latency, message rate and bandwidth of every transport with the
+//!   peer in a second process (see `bench/mod.rs`).
+//! * `hf doctor` checks this host against the deployment checklist (io_uring, memlock, RDMA,
+//!   GPUs, NUMA, MTU, CPU governor, huge pages, socket buffers, shared memory) and prints one
+//!   finding per line with its fix; `--json` prints them as JSON lines. Always exit status 0.
 //!
 //! Errors are one line on stderr, `hf: error: <what>`. Exit status: 0 on success, 1 when
 //! something failed at run time (connection refused or lost, unreadable file, address in
 //! use), 2 for a malformed command line (clap's usage errors, and bad URLs, types, metadata
 //! or sizes). Logging goes to stderr through `tracing`, filtered by `RUST_LOG` (default
 //! `warn`); `HYPERFRAMES_IO=epoll|uring|auto` picks the TCP engine.
-//!
-//! * `hf bench` measures latency, message rate and bandwidth of every transport with the
-//!   peer in a second process (see `bench/mod.rs`).
 
 mod bench;
+mod doctor;
 mod listen;
 mod output;
 mod send;
@@ -42,7 +46,8 @@ const AFTER_HELP: &str = "\
 Examples:
   hf listen tcp://127.0.0.1:5555 --count 2
   hf send tcp://127.0.0.1:5555 --type demo.hello --meta k=v --size 1KiB --count 2
-  hf bench
+  hf bench                  # latency, rate and bandwidth of every transport, on loopback
+  hf doctor                 # is this host set up for speed? each finding with its fix
 
 URLs: tcp://HOST:PORT (IPv6 in brackets: tcp://[::1]:5555; port 0 picks a free port when
 listening), inproc://NAME (inside one process only).
@@ -82,6 +87,9 @@ enum Command {
     /// Measure latency, message rate and bandwidth, with the peer in a second process.
     #[command(after_help = bench::AFTER_HELP)]
     Bench(bench::BenchArgs),
+    /// Check this host for speed (io_uring, memlock, RDMA, GPUs, NUMA, MTU, buffers), with fixes
+    #[command(after_help = doctor::AFTER_HELP)]
+    Doctor(doctor::DoctorArgs),
 }
 
 /// Why `hf` stops with a non-zero status: one line for stderr and the status.
@@ -144,6 +152,7 @@ fn main() {
         Command::Bench(args) => bench::main(args),
         Command::Listen(args) => multi_thread(listen::run(args)),
         Command::Send(args) => multi_thread(send::run(args)),
+        Command::Doctor(args) => multi_thread(doctor::run(args)),
     };
     let code = match result {
         Ok(()) => 0,
