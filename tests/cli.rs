@@ -284,7 +284,7 @@ fn check_line(line: &str, kind: &str, meta: &[(&str, &str)], body: &[u8]) {
     let obj = v.as_object().expect("an object");
     assert_eq!(
         obj.keys().collect::<Vec<_>>(),
-        ["len", "meta", "sha256", "type"],
+        ["type", "meta", "len", "sha256"],
         "{line}"
     );
     assert_eq!(v["type"], kind, "{line}");
@@ -295,7 +295,7 @@ fn check_line(line: &str, kind: &str, meta: &[(&str, &str)], body: &[u8]) {
     for (k, val) in meta {
         assert_eq!(got[*k], *val, "{line}");
     }
-    // The order of the entries is the sender's, which `Value` does not keep: check the text.
+    // The order of the entries is the sender's: check the text as well.
     let in_order: Vec<String> = meta
         .iter()
         .map(|(k, v)| {
