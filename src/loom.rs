@@ -25,7 +25,6 @@ pub(crate) mod sync {
     pub(crate) struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
 
     impl<T> UnsafeCell<T> {
-        #[cfg(test)]
         pub(crate) const fn new(v: T) -> UnsafeCell<T> {
             UnsafeCell(std::cell::UnsafeCell::new(v))
         }

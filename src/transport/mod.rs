@@ -20,7 +20,7 @@ mod inproc;
 #[cfg(any(feature = "tcp", feature = "inproc"))]
 pub(crate) mod pipe;
 #[cfg(feature = "shm")]
-mod shm;
+pub(crate) mod shm;
 #[cfg(feature = "tcp")]
 pub(crate) mod tcp;
 

@@ -12,7 +12,7 @@
 mod arena;
 mod conn;
 mod rendezvous;
-mod ring;
+pub(crate) mod ring;
 mod segment;
 
 use std::path::PathBuf;

@@ -56,7 +56,6 @@ impl Desc {
     /// The body follows the head in `inline` (small messages travel in the descriptor alone).
     pub(crate) const BODY_INLINE: u8 = 0b1000;
 
-    #[cfg(test)]
     pub(crate) const fn zeroed() -> Desc {
         Desc {
             kind: 0,
@@ -333,8 +332,8 @@ pub(crate) fn wake_needed(flag: &AtomicU32) -> bool {
     flag.load(Ordering::Relaxed) == 1 && flag.swap(0, Ordering::AcqRel) == 1
 }
 
-/// A ring in process memory: loom models and unit tests.
-#[cfg(test)]
+/// A ring in process memory: loom models, unit tests and the ring bench.
+#[cfg(any(test, not(hyperframes_loom)))]
 pub(crate) mod heap {
     use super::*;
     use std::sync::Arc;
