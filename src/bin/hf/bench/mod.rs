@@ -7,6 +7,15 @@
 //! machines, `hf bench --serve URL` on one and `hf bench --connect URL` on the other do the
 //! same without the spawning.
 
+/// A line on stdout. A closed stdout (`hf bench | head`) does not stop the run: the JSON and
+/// plot files are still written.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
 mod plot;
 mod proto;
 mod report;
@@ -19,7 +28,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use hyperframes::{Context, Endpoint};
+use hyperframes::{Context, Endpoint, ErrorKind};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::Failure;
@@ -289,7 +298,7 @@ async fn serve(args: &BenchArgs, url: &str) -> Result<(), Failure> {
         .await
         .map_err(|e| Failure::runtime(format!("cannot listen at {url}: {e}")))?;
     // The runner waits for this line (stdout is line-buffered).
-    println!("hf bench: serving {}", listener.local_url());
+    say!("hf bench: serving {}", listener.local_url());
     loop {
         let accepted = if args.once {
             // A runner that died before connecting must not leave its peer behind.
@@ -447,6 +456,9 @@ async fn available(ctx: &Context, transport: &str) -> Result<(), String> {
     };
     match ctx.bind(&url).await {
         Ok(_) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::UnsupportedScheme => Err(format!(
+            "not in this build: build hf with `--features {transport}`"
+        )),
         Err(e) => Err(e.to_string()),
     }
 }
@@ -511,7 +523,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
         }
     }
 
-    println!(
+    say!(
         "hf bench: {} per point after {} warm-up; peer in a second process{}; \
          rates counted at the receiver",
         secs(settings.duration),
@@ -526,9 +538,9 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
         },
     );
     for n in &notes {
-        println!("  {n}");
+        say!("  {n}");
     }
-    println!("{}", report::HEADER);
+    say!("{}", report::HEADER);
 
     let total = (targets.len() * points.len()) as u64;
     let bar = ProgressBar::new(total).with_style(
@@ -552,7 +564,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
             None => match start_peer(&ctx, transport, args).await {
                 Ok((p, url)) => (Some(p), url),
                 Err(f) => {
-                    bar.suspend(|| println!("{transport}: cannot start the peer: {}", f.message));
+                    bar.suspend(|| say!("{transport}: cannot start the peer: {}", f.message));
                     failures += 1;
                     bar.inc(points.len() as u64);
                     continue;
@@ -562,7 +574,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
         let mut ch = match ctx.connect(&url).await {
             Ok(ch) => ch,
             Err(e) => {
-                bar.suspend(|| println!("{transport}: cannot connect to {url}: {e}"));
+                bar.suspend(|| say!("{transport}: cannot connect to {url}: {e}"));
                 failures += 1;
                 bar.inc(points.len() as u64);
                 continue;
@@ -601,13 +613,11 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
                         zero_copy: args.zero_copy,
                         offered: args.rate,
                     };
-                    bar.suspend(|| println!("{}", report::line(&row)));
+                    bar.suspend(|| say!("{}", report::line(&row)));
                     rows.push(row);
                 }
                 Err(why) => {
-                    bar.suspend(|| {
-                        println!("{}", report::failed_line(transport, pattern, size, &why))
-                    });
+                    bar.suspend(|| say!("{}", report::failed_line(transport, pattern, size, &why)));
                     failures += 1;
                     // The conversation is out of step now: the rest of this transport's
                     // points are skipped.
@@ -621,7 +631,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
         if let Some(peer) = peer
             && let Err(e) = peer.finish()
         {
-            bar.suspend(|| println!("{transport}: {e}"));
+            bar.suspend(|| say!("{transport}: {e}"));
         }
     }
     bar.finish_and_clear();
@@ -639,7 +649,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
             .filter(|r| r.pattern == Pattern::Bw && r.size == size)
             .map(|r| format!("{} {:.2}×", r.transport, r.outcome.gbytes_per_s / memcpy))
             .collect();
-        println!(
+        say!(
             "baseline: memcpy of {} in one process {memcpy:.2} GB/s; bw {} against it: {}",
             report::size_label(size),
             report::size_label(size),
@@ -647,7 +657,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
         );
     }
     for e in engines {
-        println!("note: {e}");
+        say!("note: {e}");
     }
 
     if let Some(path) = &args.json {
