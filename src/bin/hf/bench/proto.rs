@@ -151,6 +151,8 @@ struct Arrivals {
     last: Instant,
     intervals: Option<Intervals>,
     messages: u64,
+    /// Messages counted into `intervals` (up to the last clock reading).
+    clocked: u64,
     bytes: u64,
     next_seq: u64,
     out_of_order: u64,
@@ -160,14 +162,13 @@ struct Arrivals {
 
 impl Arrivals {
     fn data(&mut self, m: &Message) {
-        let now = Instant::now();
-        let (start, _) = *self.first.get_or_insert_with(|| (now, Cpu::now()));
-        let run = self.run;
-        self.intervals
-            .get_or_insert_with(|| Intervals::for_run(start, run))
-            .add(now);
-        self.last = now;
         self.messages += 1;
+        // The clock costs ~20 ns, a tenth of what a small message costs here: read it for the
+        // first message, for large ones, and for every 16th small one (`result` reads it for
+        // the rest).
+        if self.first.is_none() || m.body().len() >= 4096 || self.messages.is_multiple_of(16) {
+            self.clock(Instant::now());
+        }
         let body = m.body();
         self.bytes += body.len() as u64;
         let seq = m.header().correlation;
@@ -184,7 +185,21 @@ impl Arrivals {
         }
     }
 
-    fn result(&self, sent: u64) -> Bytes {
+    /// Counts the messages since the last reading as arrived by `now`.
+    fn clock(&mut self, now: Instant) {
+        let (start, _) = *self.first.get_or_insert_with(|| (now, Cpu::now()));
+        let run = self.run;
+        self.intervals
+            .get_or_insert_with(|| Intervals::for_run(start, run))
+            .add(now, self.messages - self.clocked);
+        self.clocked = self.messages;
+        self.last = now;
+    }
+
+    fn result(&mut self, sent: u64) -> Bytes {
+        if self.clocked < self.messages {
+            self.clock(Instant::now());
+        }
         let cpu = self
             .first
             .map(|(_, c)| Cpu::now().since(c))
@@ -248,6 +263,7 @@ pub(crate) async fn serve_channel(mut ch: Channel) -> Result<(), Failed> {
                     last: Instant::now(),
                     intervals: None,
                     messages: 0,
+                    clocked: 0,
                     bytes: 0,
                     next_seq: 0,
                     out_of_order: 0,
@@ -541,7 +557,7 @@ async fn latency(
                 let back = next(ch).await?;
                 let now = Instant::now();
                 stats::record(&mut hist, (now - sent_at).as_nanos() as u64 / 2);
-                intervals.add(now);
+                intervals.add(now, 1);
                 check_echo(&back, seq, s.verify, what)?;
                 seq += 1;
             }
@@ -574,7 +590,7 @@ async fn latency(
                         &mut hist,
                         now.saturating_duration_since(intended(seq)).as_nanos() as u64 / 2,
                     );
-                    intervals.add(now);
+                    intervals.add(now, 1);
                     check_echo(&back, seq, s.verify, what)?;
                 }
                 Ok(())

@@ -126,9 +126,9 @@ impl Intervals {
         }
     }
 
-    /// Counts one event at `at`.
+    /// Counts `n` events at `at`.
     #[inline]
-    pub(crate) fn add(&mut self, at: Instant) {
+    pub(crate) fn add(&mut self, at: Instant, n: u64) {
         let i =
             (at.saturating_duration_since(self.start).as_nanos() / self.width.as_nanos()) as usize;
         // Bounded: a run ends after its duration, and the last partial interval is dropped.
@@ -138,7 +138,7 @@ impl Intervals {
             }
             self.counts.resize(i + 1, 0);
         }
-        self.counts[i] += 1;
+        self.counts[i] += n;
     }
 
     /// Events per second in each complete interval up to `end`.
@@ -215,12 +215,12 @@ mod tests {
         let t0 = Instant::now();
         let mut iv = Intervals::for_run(t0, Duration::from_secs(4));
         for k in 0..10 {
-            iv.add(t0 + Duration::from_millis(100 * k)); // 10 in the first second
+            iv.add(t0 + Duration::from_millis(100 * k), 1); // 10 in the first second
         }
         for k in 0..20 {
-            iv.add(t0 + Duration::from_millis(1000 + 50 * k)); // 20 in the second
+            iv.add(t0 + Duration::from_millis(1000 + 50 * k), 1); // 20 in the second
         }
-        iv.add(t0 + Duration::from_millis(2500)); // a partial third
+        iv.add(t0 + Duration::from_millis(2500), 1); // a partial third
         let rates = iv.rates(t0 + Duration::from_millis(2600));
         assert_eq!(rates, [10.0, 20.0]);
         let s = spread_pct(&rates).unwrap();
