@@ -102,11 +102,12 @@ pub mod rdma {
         b: V,
         cfg: RdmaConfig,
     ) -> Result<(Channel, Channel)> {
-        use crate::transport::rdma::{finish, start};
+        use crate::transport::rdma::{finish, prepare};
         use std::sync::Arc;
         let t = std::time::Duration::from_secs(10);
-        let sa = start(Arc::new(a), cfg.clone(), "rdma-pair#b".into())?;
-        let sb = start(Arc::new(b), cfg, "rdma-pair#a".into())?;
+        let pa = prepare(Arc::new(a), cfg.clone(), "rdma-pair#b".into())?;
+        let pb = prepare(Arc::new(b), cfg, "rdma-pair#a".into())?;
+        let (sa, sb) = (pa.spawn(), pb.spawn());
         let (pa, pb) = tokio::join!(
             finish(sa, t, "rdma-pair#a".into()),
             finish(sb, t, "rdma-pair#b".into())

@@ -178,6 +178,11 @@ pub(crate) struct Driver<V: Verbs> {
     _keepalive_src: V::Mr,
     ka_buf: Option<V::Mr>,
     ka_timer: Pin<Box<tokio::time::Sleep>>,
+    ka_in_flight: bool,
+    /// A flush seen: the queue pair is in the error state. The failure is reported once the
+    /// operation that caused it completed (so the error names it), or when nothing else is
+    /// in flight.
+    flushed: Option<Error>,
     active: bool,
     stopped: bool,
 }
@@ -253,6 +258,8 @@ impl<V: Verbs> Driver<V> {
             _keepalive_src: keepalive_src,
             ka_buf: Some(ka_buf),
             ka_timer: Box::pin(tokio::time::sleep(cfg.keepalive)),
+            ka_in_flight: false,
+            flushed: None,
             active: false,
             stopped: false,
             cfg,
@@ -285,6 +292,29 @@ impl<V: Verbs> Driver<V> {
         while let Poll::Ready(Some(done)) = self.ops.poll_next_unpin(cx) {
             progress = true;
             self.active = true;
+            // A flushed operation did not fail by itself: remember, and look for the cause.
+            let flushed = match &done {
+                Done::Recv(Err(e))
+                | Done::Send(Err(e))
+                | Done::Read(_, Err(e))
+                | Done::Keepalive(Err(e))
+                    if e.status == super::verbs::WcStatus::Flushed =>
+                {
+                    Some(e.clone())
+                }
+                _ => None,
+            };
+            if let Some(e) = flushed {
+                match &done {
+                    Done::Send(_) | Done::Read(..) => self.inflight -= 1,
+                    Done::Keepalive(_) => self.ka_in_flight = false,
+                    Done::Recv(_) => {}
+                }
+                if self.flushed.is_none() {
+                    self.flushed = Some(verbs_error(e, &peer));
+                }
+                continue;
+            }
             match done {
                 Done::Recv(r) => {
                     let (buf, len) = r.map_err(|e| verbs_error(e, &peer))?;
@@ -308,9 +338,17 @@ impl<V: Verbs> Driver<V> {
                         .map_err(|e| proto_error(e, &peer))?;
                 }
                 Done::Keepalive(r) => {
+                    self.ka_in_flight = false;
                     self.ka_buf = Some(r.map_err(|e| verbs_error(e, &peer))?);
                 }
             }
+        }
+        if self.flushed.is_some() {
+            if self.inflight == 0 && !self.ka_in_flight {
+                return Err(self.flushed.take().expect("checked"));
+            }
+            // Post nothing more; wait for the operations in flight to report.
+            return Ok(progress);
         }
 
         // Received messages, while the Receiver's queue has room.
@@ -510,6 +548,7 @@ impl<V: Verbs> Driver<V> {
             && let Some(buf) = self.ka_buf.take()
         {
             let fut = self.verbs.post_read(buf, p.keepalive);
+            self.ka_in_flight = true;
             self.ops
                 .push(Box::pin(async move { Done::Keepalive(fut.await) }));
         }

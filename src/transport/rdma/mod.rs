@@ -23,6 +23,8 @@ pub mod sim;
 pub mod verbs;
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -69,8 +71,22 @@ pub(crate) async fn establish<V: Verbs>(
     local: String,
     peer: String,
 ) -> Result<Parts> {
-    let started = start(verbs, cfg, peer)?;
-    finish(started, handshake_timeout, local).await
+    let p = prepare(verbs, cfg, peer)?;
+    finish(p.spawn(), handshake_timeout, local).await
+}
+
+/// A driver whose receives are posted, not yet running.
+pub(crate) struct Prepared {
+    run: Pin<Box<dyn Future<Output = ()> + Send>>,
+    started: Started,
+}
+
+impl Prepared {
+    /// Runs the driver on the current tokio runtime.
+    pub(crate) fn spawn(self) -> Started {
+        tokio::spawn(self.run);
+        self.started
+    }
 }
 
 /// A driver started, halves made, `HELLO` not yet received.
@@ -80,14 +96,19 @@ pub(crate) struct Started {
     rx: Box<dyn super::RecvHalf>,
 }
 
-pub(crate) fn start<V: Verbs>(verbs: Arc<V>, cfg: RdmaConfig, peer: String) -> Result<Started> {
+/// Registers and posts a connection's buffers and makes its halves. Two sides in one process
+/// are both prepared before either is spawned, so that no `HELLO` can find the other's
+/// receive queue empty.
+pub(crate) fn prepare<V: Verbs>(verbs: Arc<V>, cfg: RdmaConfig, peer: String) -> Result<Prepared> {
     runtime()?;
     let (drv, sh, pool) = Driver::new(verbs, cfg.clone(), peer)?;
     // The halves exist before the driver runs: dropping them (a failed or cancelled set-up)
     // is what tells the driver to stop.
     let (tx, rx) = driver::halves(sh.clone(), pool, &cfg);
-    tokio::spawn(drv);
-    Ok(Started { sh, tx, rx })
+    Ok(Prepared {
+        run: Box::pin(drv),
+        started: Started { sh, tx, rx },
+    })
 }
 
 pub(crate) async fn finish(
@@ -184,8 +205,9 @@ pub(crate) async fn sim_connect(reg: &Arc<SimRegistry>, name: &str) -> Result<Pa
     let (a, b) = sim::pair(sim::SimConfig::default());
     let id = reg.next_id.fetch_add(1, Ordering::Relaxed);
     // Both sides post their receives (in `start`) before either sends its HELLO.
-    let client = start(Arc::new(a), cfg.clone(), format!("{url}#listener"))?;
-    let server = start(Arc::new(b), cfg, format!("{url}#conn{id}"))?;
+    let client = prepare(Arc::new(a), cfg.clone(), format!("{url}#listener"))?;
+    let server = prepare(Arc::new(b), cfg, format!("{url}#conn{id}"))?;
+    let (client, server) = (client.spawn(), server.spawn());
     let t = reg.cfg.handshake_timeout;
     let (c, s) = tokio::join!(
         finish(client, t, url.clone()),

@@ -44,8 +44,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// How the simulated queue pairs behave.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
-    /// RNR retries: `None` retries forever (verbs' `rnr_retry = 7`), `Some(0)` fails a send
-    /// that finds no posted receive at once.
+    /// RNR retries: `None` retries forever (verbs' `rnr_retry = 7`: the send waits for a
+    /// receive); `Some(n)` fails a send that finds no posted receive with
+    /// `IBV_WC_RNR_RETRY_EXC_ERR` (time between retries is not simulated, so any finite count
+    /// behaves as 0).
     pub rnr_retry: Option<u32>,
     /// Largest total of registered bytes per side (like `RLIMIT_MEMLOCK`); `None`: no limit.
     pub memlock: Option<u64>,
@@ -405,7 +407,6 @@ impl SimVerbs {
             p.done
                 .complete(Err(VerbsError::new(VerbOp::Send, WcStatus::RetryExceeded)));
         }
-        self.peer.set_error_for_parked_at_peer(&self.me);
         self.me.set_error();
     }
 
@@ -435,6 +436,13 @@ impl SimVerbs {
         if op != VerbOp::Recv && self.peer.dead.load(Ordering::Acquire) {
             return Some(
                 VerbsError::new(op, WcStatus::RetryExceeded).with_detail("the peer is gone"),
+            );
+        }
+        if matches!(op, VerbOp::Read | VerbOp::Write) && lock(&self.peer.qp).error {
+            // A responder in the error state answers no request.
+            return Some(
+                VerbsError::new(op, WcStatus::RetryExceeded)
+                    .with_detail("the peer's queue pair is in the error state"),
             );
         }
         None
@@ -530,11 +538,6 @@ impl Side {
         recv.done.complete(Ok((recv.buf, len)));
         sdone.complete(Ok(sbuf));
         true
-    }
-
-    fn set_error_for_parked_at_peer(&self, _dead: &Arc<Side>) {
-        // Our sends parked at the dead side were failed by `kill`; our queue pair learns of
-        // the death through its next operation.
     }
 }
 
