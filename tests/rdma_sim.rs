@@ -257,6 +257,42 @@ async fn pool_exhaustion_is_backpressure_not_failure() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_bodies_both_ways_with_small_pools_do_not_deadlock() {
+    // Each side's outgoing bodies fill its send pool while it waits for the peer's FINs;
+    // receiving must still progress (a pool of its own).
+    let cfg = RdmaConfig {
+        pool_bytes: 8 << 20,
+        limits: {
+            let mut l = hyperframes::Limits::default();
+            l.max_body = 4 << 20;
+            l
+        },
+        ..small_cfg()
+    };
+    let (a, b, _sa, _sb) = pair(cfg, SimConfig::default()).await;
+    let n = 24u64;
+    let mut tasks = Vec::new();
+    for ch in [a, b] {
+        let (mut tx, mut rx) = ch.split();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..n {
+                tx.send(msg(i, 3 << 20)).await.unwrap();
+            }
+            tx.close().await.unwrap();
+        }));
+        tasks.push(tokio::spawn(async move {
+            for i in 0..n {
+                check(&rx.recv().await.unwrap().unwrap(), i);
+            }
+            assert!(rx.recv().await.is_none());
+        }));
+    }
+    for t in tasks {
+        timeout(GUARD, t).await.unwrap().unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alloc_sends_registered_memory_without_copy_and_reuses_it() {
     let (a, b, sa, sb) = pair(small_cfg(), SimConfig::default()).await;
     let (mut tx, _ra) = a.split();

@@ -28,7 +28,7 @@ use futures_util::task::AtomicWaker;
 
 use super::pool::{Lease, Pool, PoolError};
 use super::proto::{self, Connection, Params, ProtoError, ReadRequest};
-use super::verbs::{Access, Region, RemoteRegion, Verbs, VerbsError};
+use super::verbs::{Access, Region, Verbs, VerbsError};
 use crate::error::Result;
 use crate::message::{Body, BodyMut, LeaseTag, LentMut};
 use crate::transport::{RecvHalf, SendHalf};
@@ -47,7 +47,9 @@ pub struct RdmaConfig {
     /// Bytes per receive buffer: messages up to this size (header, type, meta, body) go
     /// eagerly in one send; larger bodies by rendezvous. Default 8 KiB + 512.
     pub slot_size: u32,
-    /// Registered-memory budget of the body pool, per connection. Default 256 MiB.
+    /// Registered-memory budget for bodies, per connection and per direction: one pool for
+    /// bodies sent by rendezvous (and `Sender::alloc`), one for bodies received, so that
+    /// neither direction can starve the other. Default 256 MiB each, registered as needed.
     pub pool_bytes: u64,
     /// Messages queued between the `Sender` and the driver. Default 64.
     pub send_queue: usize,
@@ -165,6 +167,7 @@ pub(crate) struct Driver<V: Verbs> {
     verbs: Arc<V>,
     conn: Connection,
     pool: Pool<V>,
+    rx_pool: Pool<V>,
     sh: Arc<Shared>,
     ops: FuturesUnordered<OpFuture<V::Mr>>,
     cfg: RdmaConfig,
@@ -238,6 +241,8 @@ impl<V: Verbs> Driver<V> {
             ops.push(recv_op(&*verbs, buf));
         }
         let pool = Pool::new(verbs.clone(), cfg.pool_bytes, Access::REMOTE_READ);
+        // RDMA read targets need local write access only.
+        let rx_pool = Pool::new(verbs.clone(), cfg.pool_bytes, Access::LOCAL);
         let sh = Arc::new(Shared {
             st: Mutex::new(St::default()),
             driver: AtomicWaker::new(),
@@ -246,6 +251,7 @@ impl<V: Verbs> Driver<V> {
         let d = Driver {
             conn: Connection::new(params),
             pool: pool.clone(),
+            rx_pool,
             sh: sh.clone(),
             ops,
             send_free: Vec::new(),
@@ -431,10 +437,10 @@ impl<V: Verbs> Driver<V> {
             self.reads_waiting.push_back(r);
         }
         while let Some(r) = self.reads_waiting.front().copied() {
-            let lease = match self.pool.try_alloc(r.body.len as usize) {
+            let lease = match self.rx_pool.try_alloc(r.body.len as usize) {
                 Ok(Some(l)) => l,
                 Ok(None) => {
-                    self.pool.notify_on_release(cx.waker());
+                    self.rx_pool.notify_on_release(cx.waker());
                     break;
                 }
                 Err(PoolError::TooLarge { .. }) => {
@@ -839,10 +845,4 @@ pub(crate) fn halves<V: Verbs>(
         Box::new(RdmaSender::new(sh.clone(), pool, cfg)),
         Box::new(RdmaReceiver::new(sh)),
     )
-}
-
-/// For tests and benches: a cheap handle on the remote region a `RemoteRegion` names.
-#[allow(dead_code)]
-pub(crate) fn describe(r: &RemoteRegion) -> String {
-    format!("{:#x}+{} (rkey {:#x})", r.addr, r.len, r.rkey)
 }
