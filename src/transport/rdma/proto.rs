@@ -317,10 +317,11 @@ pub fn decode<'a>(b: &'a [u8], limits: &Limits) -> Result<(Head, Decoded<'a>), P
                     ours: VERSION,
                 });
             }
-            let mut limits = Limits::default();
-            limits.max_meta_bytes = u32_at(b, 44);
-            limits.max_body = u64_at(b, 48);
-            limits.max_meta_entries = u16_at(b, 56);
+            let limits = Limits {
+                max_meta_bytes: u32_at(b, 44),
+                max_body: u64_at(b, 48),
+                max_meta_entries: u16_at(b, 56),
+            };
             let p = Params {
                 recv_slots: u32_at(b, 36),
                 slot_size: u32_at(b, 40),

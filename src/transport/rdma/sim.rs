@@ -42,7 +42,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// How the simulated queue pairs behave.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct SimConfig {
     /// RNR retries: `None` retries forever (verbs' `rnr_retry = 7`: the send waits for a
     /// receive); `Some(n)` fails a send that finds no posted receive with
@@ -51,15 +51,6 @@ pub struct SimConfig {
     pub rnr_retry: Option<u32>,
     /// Largest total of registered bytes per side (like `RLIMIT_MEMLOCK`); `None`: no limit.
     pub memlock: Option<u64>,
-}
-
-impl Default for SimConfig {
-    fn default() -> SimConfig {
-        SimConfig {
-            rnr_retry: None,
-            memlock: None,
-        }
-    }
 }
 
 /// Faults to inject on one side (see [`SimVerbs::faults`]).
