@@ -55,6 +55,10 @@ pub struct RdmaConfig {
     pub send_queue: usize,
     /// Messages delivered and not yet taken by the `Receiver`. Default 64.
     pub recv_queue: usize,
+    /// Body bytes received (or being read) and not yet taken by the `Receiver`; one body is
+    /// always admitted. Default 16 MiB: a receiver that keeps up then reuses a few pool
+    /// buffers, which stay in the CPU's cache.
+    pub recv_queue_bytes: usize,
     /// Idle time after which the peer is probed. Default 1 s.
     pub keepalive: Duration,
     /// What this side accepts.
@@ -69,6 +73,7 @@ impl Default for RdmaConfig {
             pool_bytes: 256 << 20,
             send_queue: 64,
             recv_queue: 64,
+            recv_queue_bytes: 16 << 20,
             keepalive: Duration::from_secs(1),
             limits: Limits::default(),
         }
@@ -130,6 +135,8 @@ struct St {
     backlog: usize,
     peer_limits: Option<Limits>,
     exited: bool,
+    /// Body bytes in `inq`.
+    inq_bytes: usize,
 }
 
 impl St {
@@ -178,6 +185,8 @@ pub(crate) struct Driver<V: Verbs> {
     held: HashMap<u64, Held<V>>,
     reads_waiting: VecDeque<ReadRequest>,
     reading: HashMap<u64, Lease<V>>,
+    /// Body bytes being fetched (announced, not yet read).
+    rx_pending: usize,
     _keepalive_src: V::Mr,
     ka_buf: Option<V::Mr>,
     ka_timer: Pin<Box<tokio::time::Sleep>>,
@@ -261,6 +270,7 @@ impl<V: Verbs> Driver<V> {
             held: HashMap::new(),
             reads_waiting: VecDeque::new(),
             reading: HashMap::new(),
+            rx_pending: 0,
             _keepalive_src: keepalive_src,
             ka_buf: Some(ka_buf),
             ka_timer: Box::pin(tokio::time::sleep(cfg.keepalive)),
@@ -339,6 +349,7 @@ impl<V: Verbs> Driver<V> {
                         continue;
                     };
                     lease.put_mr(mr);
+                    self.rx_pending = self.rx_pending.saturating_sub(lease.len());
                     self.conn
                         .handle_read_done(rid, Bytes::from_owner(lease))
                         .map_err(|e| proto_error(e, &peer))?;
@@ -360,7 +371,10 @@ impl<V: Verbs> Driver<V> {
         // Received messages, while the Receiver's queue has room.
         let mut st = lock(&self.sh.st);
         while !self.recv_held.is_empty()
-            && (self.conn.inbox_len() + st.inq.len() < self.cfg.recv_queue || self.stopped)
+            && ((self.conn.inbox_len() + st.inq.len() < self.cfg.recv_queue
+                && (st.inq_bytes + self.rx_pending < self.cfg.recv_queue_bytes
+                    || (st.inq.is_empty() && self.rx_pending == 0)))
+                || self.stopped)
         {
             let Some((buf, len)) = self.recv_held.pop_front() else {
                 break;
@@ -369,6 +383,11 @@ impl<V: Verbs> Driver<V> {
             self.ops.push(recv_op(&*self.verbs, buf));
             r.map_err(|e| proto_error(e, &peer))?;
             progress = true;
+            // Count announced bodies at once, so the byte bound holds within this loop.
+            while let Some(r) = self.conn.poll_read() {
+                self.rx_pending += r.body.len as usize;
+                self.reads_waiting.push_back(r);
+            }
             if st.peer_limits.is_none()
                 && let Some(p) = self.conn.peer()
             {
@@ -434,6 +453,7 @@ impl<V: Verbs> Driver<V> {
 
         // Bodies to fetch, while the pool has room.
         while let Some(r) = self.conn.poll_read() {
+            self.rx_pending += r.body.len as usize;
             self.reads_waiting.push_back(r);
         }
         while let Some(r) = self.reads_waiting.front().copied() {
@@ -504,6 +524,7 @@ impl<V: Verbs> Driver<V> {
             if self.stopped {
                 continue;
             }
+            st.inq_bytes += m.body().len();
             st.inq.push_back(m);
             delivered = true;
         }
@@ -804,6 +825,7 @@ impl RecvHalf for RdmaReceiver {
         }
         let mut st = lock(&self.sh.st);
         if let Some(m) = st.inq.pop_front() {
+            st.inq_bytes -= m.body().len();
             drop(st);
             self.sh.wake_driver();
             return Poll::Ready(Some(Ok(m)));

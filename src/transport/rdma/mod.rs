@@ -46,6 +46,7 @@ pub(crate) fn config(cfg: &Config) -> RdmaConfig {
         pool_bytes: cfg.rdma_pool_bytes,
         send_queue: cfg.send_queue,
         recv_queue: cfg.recv_queue,
+        recv_queue_bytes: cfg.recv_queue_bytes,
         keepalive: cfg.rdma_keepalive,
         limits: cfg.limits,
     }
