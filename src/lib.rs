@@ -10,6 +10,9 @@
 //! |---|---|
 //! | `tcp://host:port` | TCP on io_uring I/O threads, epoll where io_uring is refused |
 //! | `inproc://name` | inside one process; bodies move as `Bytes` |
+//! | `shm://name` | two processes on one host, through shared memory |
+//! | `rdma://host:port` | RDMA (InfiniBand, RoCE), feature `rdma` (a GPL-3.0 build: it links async-rdma) |
+//! | `rdma+sim://name` | the RDMA protocol over simulated verbs in one process (feature `rdma`; see [`rdma`]) |
 //!
 //! ```no_run
 //! use hyperframes::{Context, Message};
