@@ -351,3 +351,63 @@ impl<V: Verbs> Drop for Lease<V> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::rdma::sim::{self, SimConfig};
+
+    fn pool(budget: u64) -> (Pool<sim::SimVerbs>, sim::SimVerbs) {
+        let (a, _b) = sim::pair(SimConfig::default());
+        (
+            Pool::new(Arc::new(a.clone()), budget, Access::REMOTE_READ),
+            a,
+        )
+    }
+
+    #[test]
+    fn reuses_bounds_evicts_and_refuses_oversize() {
+        let (p, verbs) = pool(64 << 10);
+        assert_eq!(class_of(1), MIN_CLASS);
+        assert_eq!(class_of(5000), 8192);
+        let a = p.try_alloc(30_000).unwrap().unwrap();
+        assert_eq!(a.len(), 30_000);
+        let b = p.try_alloc(30_000).unwrap().unwrap();
+        // 2 x 32 KiB: the budget is used up; a third waits.
+        assert!(p.try_alloc(1).unwrap().is_none());
+        drop(a);
+        let c = p.try_alloc(20_000).unwrap().unwrap();
+        assert_eq!(p.stats().reuses, 1, "the returned 32 KiB buffer is reused");
+        drop((b, c));
+        // Another size: cached buffers are deregistered to make room.
+        let d = p.try_alloc(60_000).unwrap().unwrap();
+        assert!(p.stats().evictions >= 2);
+        assert!(verbs.stats().registered <= 64 << 10);
+        drop(d);
+        assert!(matches!(
+            p.try_alloc((64 << 10) + 1),
+            Err(PoolError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn waiting_allocation_is_woken_by_a_release() {
+        let (p, _v) = pool(8192);
+        let held = p.try_alloc(8192).unwrap().unwrap();
+        let woken = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        struct Flag(Arc<std::sync::atomic::AtomicBool>);
+        impl std::task::Wake for Flag {
+            fn wake(self: Arc<Self>) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let waker = Waker::from(Arc::new(Flag(woken.clone())));
+        let mut cx = Context::from_waker(&waker);
+        assert!(p.poll_alloc(&mut cx, 100).is_pending());
+        assert!(!woken.load(Ordering::SeqCst));
+        drop(held);
+        assert!(woken.load(Ordering::SeqCst));
+        assert!(p.poll_alloc(&mut cx, 100).is_ready());
+        assert_eq!(p.stats().waits, 1);
+    }
+}
