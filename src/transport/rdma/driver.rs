@@ -403,6 +403,7 @@ impl<V: Verbs> Driver<V> {
             self.stopped = true;
             self.conn.stop();
             st.inq.clear();
+            st.inq_bytes = 0;
             progress = true;
         }
 
