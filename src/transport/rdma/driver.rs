@@ -84,9 +84,9 @@ impl RdmaConfig {
     /// Checks the settings.
     pub fn validate(&self) -> Result<()> {
         let bad = |s: String| Err(Error::new(ErrorKind::Config, s));
-        if !(2..=1 << 16).contains(&self.recv_slots) {
+        if !(proto::MIN_SLOTS..=1 << 16).contains(&self.recv_slots) {
             return bad(format!(
-                "rdma recv_slots is {}; use 2 to 65536",
+                "rdma recv_slots is {}; use 4 to 65536",
                 self.recv_slots
             ));
         }

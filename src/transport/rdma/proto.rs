@@ -55,16 +55,20 @@
 //!   `Closed`. Rendezvous announced after it are answered with `FIN` without a read.
 //!
 //! Messages may be *processed* out of order by the driver (completions of different
-//! operations are reported in any order); the receiver orders them by `seq` again.
+//! operations are reported in any order); the receiver orders them by `seq` again, and
+//! acknowledges (`acked`) only what it processed in order, which bounds how far ahead a
+//! sender can be (`seq < next expected + recv_slots`, checked) and so the copies it keeps.
 //!
 //! # Credits
 //!
 //! A side may have at most `recv_slots` (the peer's) messages unconsumed at the peer:
 //! `credits = peer_slots - (sent - peer_acked)`. Every message carries `acked`. Any message
-//! but `CREDIT` needs two credits, leaving the last one for a `CREDIT`, which is sent when
-//! at least half the peer's slots' worth of its messages were consumed and not yet reported.
-//! Hence a sender never overruns the receiver's posted buffers (no RNR), and two sides that
-//! both run out cannot deadlock: each one's last message reports what it consumed.
+//! but `CREDIT` needs two credits, leaving the last one for a `CREDIT`, which a side sends
+//! once half of its own receive buffers' worth of the peer's messages were consumed and not
+//! yet reported. `recv_slots` is at least 4, so that half is at least 2 and a lone `CREDIT`
+//! never calls for another (no endless exchange of credits). Hence a sender never overruns
+//! the receiver's posted buffers (no RNR), and two sides that both run out cannot deadlock:
+//! each one's last message reports what it consumed.
 //!
 //! # Limits
 //!
@@ -97,6 +101,9 @@ pub const EAGER_FIXED: usize = 40;
 pub const RTS_FIXED: usize = 64;
 /// The smallest slot: an `RTS` with a 255-byte type and some metadata.
 pub const MIN_SLOT: u32 = 1024;
+/// The fewest receive buffers a side may post: a `CREDIT` is due once half of them are
+/// unreported, and that half must be at least 2, or each `CREDIT` would answer the last.
+pub const MIN_SLOTS: u32 = 4;
 
 /// Message kinds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -332,9 +339,9 @@ pub fn decode<'a>(b: &'a [u8], limits: &Limits) -> Result<(Head, Decoded<'a>), P
                     rkey: u32_at(b, 60),
                 },
             };
-            if p.recv_slots < 2 || p.recv_slots > 1 << 16 {
+            if p.recv_slots < MIN_SLOTS || p.recv_slots > 1 << 16 {
                 return Err(ProtoError::BadParams(format!(
-                    "{} receive slots (2 to 65536 work)",
+                    "{} receive slots (4 to 65536 work)",
                     p.recv_slots
                 )));
             }
@@ -729,7 +736,6 @@ impl Connection {
     /// posted again as soon as this returns.
     pub fn handle_recv(&mut self, buf: &[u8]) -> Result<(), ProtoError> {
         let (head, _) = decode(buf, &self.local.limits)?;
-        self.consumed += 1;
         if head.seq != self.next_seq {
             let window = u64::from(self.local.recv_slots);
             if head.seq < self.next_seq
@@ -742,7 +748,9 @@ impl Connection {
                     slots: self.local.recv_slots,
                 });
             }
-            // Reported out of order: keep a copy until its turn (bounded by the window).
+            // Reported out of order: keep a copy until its turn. It is acknowledged only when
+            // processed in order, so the peer never has more than `recv_slots` messages past
+            // the first one missing, and the stash holds fewer than `recv_slots` copies.
             self.stash.insert(head.seq, buf.to_vec());
             return Ok(());
         }
@@ -756,6 +764,7 @@ impl Connection {
     fn process(&mut self, buf: &[u8]) -> Result<(), ProtoError> {
         let (head, d) = decode(buf, &self.local.limits)?;
         self.next_seq += 1;
+        self.consumed += 1;
         if let Decoded::Hello(p) = d {
             if self.peer.is_some() || head.seq != 0 {
                 return Err(ProtoError::OutOfSequence("HELLO"));
@@ -988,7 +997,7 @@ impl Connection {
         }
         // Credits only: when half the peer's window is unreported (or the peer may be
         // waiting on its last credit), using our last credit if need be.
-        let threshold = u64::from(self.local.recv_slots / 2).max(1);
+        let threshold = u64::from(self.local.recv_slots / 2);
         if credits >= 1 && unreported >= threshold {
             put_head(out, Kind::Credit, 0, 0, 0, seq, acked);
             self.sent += 1;
@@ -1009,7 +1018,7 @@ impl Connection {
         let credits = self.credits();
         (credits >= 2 && !self.out.is_empty())
             || (credits >= 1
-                && self.consumed - self.reported >= u64::from(self.local.recv_slots / 2).max(1))
+                && self.consumed - self.reported >= u64::from(self.local.recv_slots / 2))
     }
 }
 
