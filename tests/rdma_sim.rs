@@ -16,6 +16,8 @@ use tokio::time::timeout;
 
 /// A hang guard, not a measurement.
 const GUARD: Duration = Duration::from_secs(60);
+/// For the test expected to show a stall (shorter, so a regression fails quickly).
+const STALL: Duration = Duration::from_secs(10);
 
 fn fnv(b: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -289,6 +291,48 @@ async fn large_bodies_both_ways_with_small_pools_do_not_deadlock() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unread_receiver_does_not_stall_its_own_sender() {
+    // A never reads what B sends it; A's own sending (whose pool buffers are freed by B's
+    // FINs, which travel among B's messages) must not stall because of that.
+    let cfg = RdmaConfig {
+        pool_bytes: 8 << 20,
+        recv_queue: 4,
+        limits: {
+            let mut l = hyperframes::Limits::default();
+            l.max_body = 4 << 20;
+            l
+        },
+        ..small_cfg()
+    };
+    let (a, b, _sa, _sb) = pair(cfg, SimConfig::default()).await;
+    let (mut ta, _ra_never_read) = a.split();
+    let (mut tb, mut rb) = b.split();
+    // B fills A's receive side, then keeps trying (its sends block: backpressure, fine).
+    let b_sender = tokio::spawn(async move {
+        for i in 0..10_000u64 {
+            if tb.send(msg(i, 100)).await.is_err() {
+                break;
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let n = 40u64;
+    let reader = tokio::spawn(async move {
+        for i in 0..n {
+            check(&rb.recv().await.unwrap().unwrap(), i);
+        }
+    });
+    for i in 0..n {
+        timeout(STALL, ta.send(msg(i, 3 << 20)))
+            .await
+            .expect("A's sender stalled behind its unread receiver")
+            .unwrap();
+    }
+    timeout(GUARD, reader).await.unwrap().unwrap();
+    b_sender.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alloc_sends_registered_memory_without_copy_and_reuses_it() {
     let (a, b, sa, sb) = pair(small_cfg(), SimConfig::default()).await;
     let (mut tx, _ra) = a.split();
@@ -454,14 +498,15 @@ async fn send_completion_error_fails_the_sender_side() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_lost_mid_rendezvous_is_an_error_on_both_halves() {
     let cfg = RdmaConfig {
-        recv_queue: 1,
+        recv_queue_bytes: 1 << 20,
         ..small_cfg()
     };
     let (a, b, sa, _sb) = pair(cfg, SimConfig::default()).await;
     let (mut ta, _ra) = a.split();
     let (mut tb, mut rb) = b.split();
-    // The first message fills the receiver's queue, so the RTS of the second waits...
-    ta.send(msg(0, 10)).await.unwrap();
+    // The first body, read and not taken, fills the receiver's read-ahead, so the read of
+    // the second waits (its RTS has arrived)...
+    ta.send(msg(0, 2 << 20)).await.unwrap();
     ta.send(msg(1, 8 << 20)).await.unwrap();
     ta.flush().await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;

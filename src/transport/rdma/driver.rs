@@ -187,6 +187,8 @@ pub(crate) struct Driver<V: Verbs> {
     reading: HashMap<u64, Lease<V>>,
     /// Body bytes being fetched (announced, not yet read).
     rx_pending: usize,
+    /// Body bytes of the reads posted and not yet completed.
+    reading_bytes: usize,
     _keepalive_src: V::Mr,
     ka_buf: Option<V::Mr>,
     ka_timer: Pin<Box<tokio::time::Sleep>>,
@@ -271,6 +273,7 @@ impl<V: Verbs> Driver<V> {
             reads_waiting: VecDeque::new(),
             reading: HashMap::new(),
             rx_pending: 0,
+            reading_bytes: 0,
             _keepalive_src: keepalive_src,
             ka_buf: Some(ka_buf),
             ka_timer: Box::pin(tokio::time::sleep(cfg.keepalive)),
@@ -350,6 +353,7 @@ impl<V: Verbs> Driver<V> {
                     };
                     lease.put_mr(mr);
                     self.rx_pending = self.rx_pending.saturating_sub(lease.len());
+                    self.reading_bytes = self.reading_bytes.saturating_sub(lease.len());
                     self.conn
                         .handle_read_done(rid, Bytes::from_owner(lease))
                         .map_err(|e| proto_error(e, &peer))?;
@@ -368,17 +372,12 @@ impl<V: Verbs> Driver<V> {
             return Ok(progress);
         }
 
-        // Received messages, while the Receiver's queue has room.
+        // Received messages: all of them, at once. Control messages take effect now (a `FIN`
+        // frees our buffers even while our Receiver is not read); messages wait in the core
+        // until the Receiver's queue has room, and are acknowledged (freeing the peer's
+        // credits) only then: that is the backpressure, and it bounds what waits here.
         let mut st = lock(&self.sh.st);
-        while !self.recv_held.is_empty()
-            && ((self.conn.inbox_len() + st.inq.len() < self.cfg.recv_queue
-                && (st.inq_bytes + self.rx_pending < self.cfg.recv_queue_bytes
-                    || (st.inq.is_empty() && self.rx_pending == 0)))
-                || self.stopped)
-        {
-            let Some((buf, len)) = self.recv_held.pop_front() else {
-                break;
-            };
+        while let Some((buf, len)) = self.recv_held.pop_front() {
             let r = self.conn.handle_recv(&buf.as_slice()[..len]);
             self.ops.push(recv_op(&*self.verbs, buf));
             r.map_err(|e| proto_error(e, &peer))?;
@@ -458,6 +457,13 @@ impl<V: Verbs> Driver<V> {
             self.reads_waiting.push_back(r);
         }
         while let Some(r) = self.reads_waiting.front().copied() {
+            // Read ahead of the Receiver by at most `recv_queue_bytes` (at least one body).
+            let queued = lock(&self.sh.st).inq_bytes;
+            if (queued > 0 || self.reading_bytes > 0)
+                && queued + self.reading_bytes >= self.cfg.recv_queue_bytes
+            {
+                break;
+            }
             let lease = match self.rx_pool.try_alloc(r.body.len as usize) {
                 Ok(Some(l)) => l,
                 Ok(None) => {
@@ -473,6 +479,7 @@ impl<V: Verbs> Driver<V> {
                 Err(PoolError::Register(e)) => return Err(verbs_error(e, &peer)),
             };
             self.reads_waiting.pop_front();
+            self.reading_bytes += r.body.len as usize;
             let mut lease = lease;
             let mr = lease.take_mr().expect("fresh lease");
             self.reading.insert(r.rid, lease);

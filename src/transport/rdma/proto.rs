@@ -25,8 +25,8 @@
 //!      3    1 reserved      0
 //!      4    4 meta_len      EAGER/RTS: <= receiver's max_meta_bytes; else 0
 //!      8    8 seq           this message's number in its direction (HELLO is 0)
-//!     16    8 acked         how many of the peer's messages this side has consumed, each
-//!                           consumed buffer being posted again before this count is sent
+//!     16    8 acked         how many of the peer's messages this side has released (see
+//!                           Credits); every receive buffer is posted again before it counts
 //! ```
 //!
 //! then, by kind:
@@ -61,15 +61,27 @@
 //!
 //! # Credits
 //!
-//! A side may have at most `recv_slots` (the peer's) messages unconsumed at the peer:
-//! `credits = peer_slots - (sent - peer_acked)`. Every message carries `acked`. Any message
-//! but `CREDIT` needs two credits, leaving the last one for a `CREDIT`, which a side sends
-//! once half of its own receive buffers' worth of the peer's messages were consumed and not
-//! yet reported. `recv_slots` is at least 4, so that half is at least 2 and a lone `CREDIT`
-//! never calls for another (no endless exchange of credits). Hence a sender never overruns
-//! the receiver's posted buffers (no RNR), and two sides that both run out cannot deadlock:
-//! each one's last message reports what it consumed.
+//! A side may have at most `recv_slots` (the peer's) of its messages unacknowledged:
+//! `credits = peer_slots - (sent - peer_acked)`. Every message carries `acked`, the number of
+//! the peer's messages released: a control message (`HELLO`, `CREDIT`, `FIN`, `CLOSE`,
+//! `STOP`) when processed, a message (`EAGER`, `RTS`) when handed to the application's
+//! queue (so a receiver that is not read stops acknowledging, which stops its peer: the
+//! backpressure, and the bound on what waits). The receive buffer itself is posted again
+//! at once in every case. Spending rules:
 //!
+//! * `EAGER`, `RTS` and `CLOSE` need `2 + reserve` credits (`reserve` = the peer's slots / 8,
+//!   at least 1);
+//! * `FIN` and `STOP` need 2, and go before queued messages: they use the reserve, so a
+//!   side whose messages are not read can still free the peer's rendezvous buffers;
+//! * `CREDIT` needs 1, the last: it is sent, when nothing else carries `acked`, once half of
+//!   this side's receive buffers' worth of released messages is unreported, or once a
+//!   `FIN`/`CLOSE`/`STOP` is unreported while half of them hold messages not yet released.
+//!   `recv_slots` is at least 4, so a lone `CREDIT` never makes another due (credits are not
+//!   bounced back and forth).
+//!
+//! Hence a sender never overruns the receiver's posted buffers (no RNR), and two sides that
+//! both run low cannot deadlock: each one's last message reports what it released.
+
 //! # Limits
 //!
 //! Lengths are checked against this side's [`Limits`] before anything is allocated for them;
@@ -570,7 +582,13 @@ pub struct Connection {
     // Credits.
     sent: u64,
     peer_acked: u64,
+    /// Peer messages released: control messages once processed, messages (`EAGER`, `RTS`)
+    /// once handed out by `poll_message` (or dropped). This is `acked`.
     consumed: u64,
+    /// `FIN`s, `CLOSE`s and `STOP`s released and not yet reported.
+    signals: u64,
+    /// Our `FIN`s and `STOP`: sent before queued messages, within the reserve.
+    ctrl: VecDeque<Out>,
     reported: u64,
     // Receive order.
     next_seq: u64,
@@ -604,6 +622,8 @@ impl Connection {
             sent: 0,
             peer_acked: 0,
             consumed: 0,
+            signals: 0,
+            ctrl: VecDeque::new(),
             reported: 0,
             next_seq: 0,
             stash: BTreeMap::new(),
@@ -687,19 +707,20 @@ impl Connection {
     pub fn stop(&mut self) {
         self.discarding = true;
         self.discarded += self.inbox.len() as u64;
+        self.consumed += self.inbox.len() as u64;
         self.inbox.clear();
         for r in self.reads.drain(..) {
-            self.out.push_back(Out::Fin(r.rid));
+            self.ctrl.push_back(Out::Fin(r.rid));
         }
         if !self.stop_queued {
             self.stop_queued = true;
-            self.out.push_front(Out::Stop);
+            self.ctrl.push_front(Out::Stop);
         }
     }
 
     /// Messages queued and not yet transmitted (including `FIN`s and `CLOSE`).
     pub fn queued(&self) -> usize {
-        self.out.len()
+        self.out.len() + self.ctrl.len()
     }
 
     /// True once `CLOSE` was transmitted.
@@ -764,7 +785,15 @@ impl Connection {
     fn process(&mut self, buf: &[u8]) -> Result<(), ProtoError> {
         let (head, d) = decode(buf, &self.local.limits)?;
         self.next_seq += 1;
-        self.consumed += 1;
+        // Control messages are released at once; messages when handed out.
+        match d {
+            Decoded::Eager { .. } | Decoded::Rts { .. } => {}
+            Decoded::Hello(_) | Decoded::Credit => self.consumed += 1,
+            Decoded::Fin(_) | Decoded::Close | Decoded::Stop => {
+                self.consumed += 1;
+                self.signals += 1;
+            }
+        }
         if let Decoded::Hello(p) = d {
             if self.peer.is_some() || head.seq != 0 {
                 return Err(ProtoError::OutOfSequence("HELLO"));
@@ -797,6 +826,7 @@ impl Connection {
                 let (kind, meta) = self.head(kind, meta)?;
                 if self.discarding {
                     self.discarded += 1;
+                    self.consumed += 1;
                     return Ok(());
                 }
                 let msg = Message::from_parts(
@@ -821,15 +851,16 @@ impl Connection {
                 }
                 if self.discarding {
                     self.discarded += 1;
+                    self.consumed += 1;
                     self.rndv_in.remove(&rid);
-                    self.out.push_back(Out::Fin(rid));
+                    self.ctrl.push_back(Out::Fin(rid));
                     return Ok(());
                 }
                 let msg =
                     Message::from_parts(kind, meta, Body::new(), Header { flags, correlation });
                 if body.len == 0 {
                     self.rndv_in.remove(&rid);
-                    self.out.push_back(Out::Fin(rid));
+                    self.ctrl.push_back(Out::Fin(rid));
                     self.inbox.push_back(In::Ready(msg));
                 } else {
                     self.inbox.push_back(In::Reading(rid, Some(msg)));
@@ -873,7 +904,7 @@ impl Connection {
         if !self.rndv_in.remove(&rid) {
             return Err(ProtoError::UnknownRendezvous(rid));
         }
-        self.out.push_back(Out::Fin(rid));
+        self.ctrl.push_back(Out::Fin(rid));
         for item in self.inbox.iter_mut() {
             if let In::Reading(r, m) = item
                 && *r == rid
@@ -893,7 +924,11 @@ impl Connection {
     pub fn poll_message(&mut self) -> Option<Message> {
         match self.inbox.front() {
             Some(In::Ready(_)) => match self.inbox.pop_front() {
-                Some(In::Ready(m)) => Some(m),
+                Some(In::Ready(m)) => {
+                    // Released: the peer may send another in its place.
+                    self.consumed += 1;
+                    Some(m)
+                }
                 _ => None,
             },
             _ => None,
@@ -924,9 +959,16 @@ impl Connection {
         let unreported = self.consumed - self.reported;
         let seq = self.sent;
         let acked = self.consumed;
-        if credits >= 2
-            && let Some(item) = self.out.pop_front()
-        {
+        // FINs and STOP go first and may use the reserve; messages (and CLOSE, which must
+        // follow them) leave it free.
+        let item = if credits >= 2 && !self.ctrl.is_empty() {
+            self.ctrl.pop_front()
+        } else if credits >= 2 + self.reserve() {
+            self.out.pop_front()
+        } else {
+            None
+        };
+        if let Some(item) = item {
             let n = match item {
                 Out::Eager(msg) => {
                     let kind = msg.kind();
@@ -993,18 +1035,32 @@ impl Connection {
             debug_assert!(n <= peer.slot_size as usize);
             self.sent += 1;
             self.reported = acked;
+            self.signals = 0;
             return Some(n);
         }
-        // Credits only: when half the peer's window is unreported (or the peer may be
-        // waiting on its last credit), using our last credit if need be.
-        let threshold = u64::from(self.local.recv_slots / 2);
-        if credits >= 1 && unreported >= threshold {
+        if credits >= 1 && self.credit_due(unreported) {
             put_head(out, Kind::Credit, 0, 0, 0, seq, acked);
             self.sent += 1;
             self.reported = acked;
+            self.signals = 0;
             return Some(HEADER_LEN);
         }
         None
+    }
+
+    /// Credits kept free of messages, for `FIN`s and `STOP` (so that a receiver that is not
+    /// read never holds up the other direction's `FIN`s).
+    fn reserve(&self) -> u64 {
+        self.peer.map_or(1, |p| u64::from(p.recv_slots / 8).max(1))
+    }
+
+    /// Whether a `CREDIT` must go now (we have nothing else to carry `acked`): half our
+    /// window is released and unreported; or a `FIN`/`CLOSE`/`STOP` is unreported while the
+    /// peer may be short of credits (half our window holds its unreleased messages). A lone
+    /// `CREDIT` never makes another due, so credits are not bounced back and forth.
+    fn credit_due(&self, unreported: u64) -> bool {
+        let half = u64::from(self.local.recv_slots / 2);
+        unreported >= half || (self.signals > 0 && self.next_seq - self.reported >= half)
     }
 
     /// True when [`poll_transmit`](Connection::poll_transmit) would give something now.
@@ -1016,9 +1072,9 @@ impl Connection {
             return false;
         }
         let credits = self.credits();
-        (credits >= 2 && !self.out.is_empty())
-            || (credits >= 1
-                && self.consumed - self.reported >= u64::from(self.local.recv_slots / 2))
+        (credits >= 2 && !self.ctrl.is_empty())
+            || (credits >= 2 + self.reserve() && !self.out.is_empty())
+            || (credits >= 1 && self.credit_due(self.consumed - self.reported))
     }
 }
 
@@ -1052,39 +1108,59 @@ mod tests {
 
     #[test]
     fn hello_then_eager_in_order() {
-        let (mut a, mut b) = (Connection::new(params(4)), Connection::new(params(4)));
+        let (mut a, mut b) = (Connection::new(params(8)), Connection::new(params(8)));
         pump(&mut a, &mut b);
         pump(&mut b, &mut a);
-        assert_eq!(a.credits(), 3);
-        for i in 0..2 {
+        // 8 slots, the HELLO unacknowledged: 7; messages keep 1 + a reserve of 1 free.
+        assert_eq!(a.credits(), 7);
+        for i in 0..6 {
             a.send_eager(Message::new("t.x").unwrap().with_body(format!("m{i}")));
         }
-        assert_eq!(pump(&mut a, &mut b), 2);
-        assert_eq!(a.credits(), 1, "keeps the last credit for a CREDIT");
         assert_eq!(
-            b.poll_message()
-                .unwrap()
-                .body()
-                .as_bytes()
-                .unwrap()
-                .as_ref(),
-            b"m0"
+            pump(&mut a, &mut b),
+            5,
+            "stops at 2 credits: 1 reserve, 1 for CREDIT"
         );
-        assert_eq!(
-            b.poll_message()
-                .unwrap()
-                .body()
-                .as_bytes()
-                .unwrap()
-                .as_ref(),
-            b"m1"
-        );
-        a.send_eager(Message::new("t.x").unwrap());
-        assert_eq!(pump(&mut a, &mut b), 0, "no credits: waits");
-        // b reports (3 unreported >= 2) with a CREDIT.
+        assert_eq!(a.credits(), 2);
+        // Not read: b acknowledges nothing, however long; a stays blocked.
+        assert_eq!(pump(&mut b, &mut a), 0);
+        let body = |m: Message| m.body().as_bytes().unwrap().clone();
+        for i in 0..4 {
+            assert_eq!(body(b.poll_message().unwrap()), format!("m{i}").as_bytes());
+        }
+        // 4 released (and the HELLO): a CREDIT is due (half of 8).
         assert_eq!(pump(&mut b, &mut a), 1);
-        assert_eq!(a.credits(), 4);
+        assert_eq!(a.credits(), 7, "8 - (6 sent - 5 acknowledged)");
         assert_eq!(pump(&mut a, &mut b), 1);
+        assert_eq!(body(b.poll_message().unwrap()), &b"m4"[..]);
+        assert_eq!(body(b.poll_message().unwrap()), &b"m5"[..]);
+    }
+
+    #[test]
+    fn fins_use_the_reserve_while_messages_wait() {
+        let (mut a, mut b) = (Connection::new(params(8)), Connection::new(params(8)));
+        pump(&mut a, &mut b);
+        pump(&mut b, &mut a);
+        // b announces a body to a; a's messages to b are never read, filling b's window.
+        let region = RemoteRegion {
+            addr: 0x1000,
+            len: 100_000,
+            rkey: 3,
+        };
+        let rid = b.send_rendezvous(Message::new("big").unwrap(), region);
+        pump(&mut b, &mut a);
+        for _ in 0..10 {
+            a.send_eager(Message::new("t.x").unwrap());
+        }
+        pump(&mut a, &mut b);
+        assert!(a.credits() < 2 + 1, "a's messages are blocked");
+        // a reads the body and answers FIN from its reserve, though its messages wait.
+        let r = a.poll_read().unwrap();
+        a.handle_read_done(r.rid, Bytes::from(vec![0u8; 100_000]))
+            .unwrap();
+        assert!(a.poll_message().is_some());
+        assert_eq!(pump(&mut a, &mut b), 1);
+        assert_eq!(b.poll_release(), Some(rid));
     }
 
     #[test]
