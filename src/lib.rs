@@ -10,6 +10,9 @@
 //! |---|---|
 //! | `tcp://host:port` | TCP on io_uring I/O threads, epoll where io_uring is refused |
 //! | `inproc://name` | inside one process; bodies move as `Bytes` |
+//! | `shm://name` | two processes on one host, through shared memory |
+//! | `rdma://host:port` | RDMA (InfiniBand, RoCE), feature `rdma` (a GPL-3.0 build: it links async-rdma) |
+//! | `rdma+sim://name` | the RDMA protocol over simulated verbs in one process (feature `rdma`; see [`rdma`]) |
 //!
 //! ```no_run
 //! use hyperframes::{Context, Message};
@@ -78,6 +81,49 @@ pub mod middleware;
 mod transport;
 mod url;
 pub mod wire;
+
+/// The RDMA transport's protocol core, verbs seam and simulation (feature `rdma`).
+///
+/// This is the testing and simulation seam of `rdma://`: the sans-IO protocol
+/// ([`proto`](rdma::proto)), the verbs trait it is driven over ([`verbs`](rdma::verbs)), the
+/// registered-buffer pool ([`pool`](rdma::pool)) and the simulated verbs with fault injection
+/// ([`sim`](rdma::sim)), plus [`channel_pair`](rdma::channel_pair), which runs a pair of
+/// [`Channel`]s over any verbs backend (the simulation, in tests). Applications use
+/// `rdma://` URLs and never need this module.
+#[cfg(feature = "rdma")]
+pub mod rdma {
+    pub use crate::transport::rdma::driver::RdmaConfig;
+    pub use crate::transport::rdma::{pool, proto, sim, verbs};
+
+    use crate::{Channel, Result};
+
+    /// A connected pair of channels over `a` and `b` (the two sides of one connection,
+    /// such as [`sim::pair`]), with `cfg` on both sides. Needs a tokio runtime: each side
+    /// runs a driver task. Both sides post their receives before either sends.
+    pub async fn channel_pair<V: verbs::Verbs>(
+        a: V,
+        b: V,
+        cfg: RdmaConfig,
+    ) -> Result<(Channel, Channel)> {
+        use crate::transport::rdma::{finish, prepare};
+        use std::sync::Arc;
+        let t = std::time::Duration::from_secs(10);
+        let pa = prepare(Arc::new(a), cfg.clone(), "rdma-pair#b".into())?;
+        let pb = prepare(Arc::new(b), cfg, "rdma-pair#a".into())?;
+        let (sa, sb) = (pa.spawn(), pb.spawn());
+        let (pa, pb) = tokio::join!(
+            finish(sa, t, "rdma-pair#a".into()),
+            finish(sb, t, "rdma-pair#b".into())
+        );
+        Ok((Channel::from_parts(pa?), Channel::from_parts(pb?)))
+    }
+
+    /// The RDMA devices of this host, or an [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable)
+    /// error saying there are none (what `bind` and `connect` of `rdma://` check first).
+    pub fn devices() -> Result<Vec<String>> {
+        crate::transport::rdma::async_rdma::devices()
+    }
+}
 
 pub use channel::{
     Channel, ChannelInfo, Context, ContextBuilder, IoEngine, Listener, Receiver, ReuniteError,

@@ -1,4 +1,4 @@
-//! Endpoint URLs: `tcp://host:port`, `inproc://name`.
+//! Endpoint URLs: `tcp://host:port`, `inproc://name`, `shm://name`, `rdma://host:port`.
 
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
@@ -29,9 +29,23 @@ pub enum Endpoint {
         /// The name, or the absolute socket path (starting with `/`).
         name: String,
     },
+    /// `rdma://host:port` (feature `rdma`): RDMA over InfiniBand or RoCE; `host:port` is the
+    /// TCP address of the connection set-up, written as for `tcp://`.
+    Rdma {
+        /// Address or name.
+        host: String,
+        /// Port.
+        port: u16,
+    },
+    /// `rdma+sim://name` (feature `rdma`): the RDMA transport over simulated verbs inside one
+    /// process, for tests without hardware. Names are per context, as for `inproc://`.
+    RdmaSim {
+        /// The name.
+        name: String,
+    },
 }
 
-const SCHEMES: &str = "tcp://, shm://, inproc://";
+const SCHEMES: &str = "tcp://, shm://, inproc://, rdma://, rdma+sim://";
 
 fn invalid(url: &str, why: impl fmt::Display) -> Error {
     Error::new(ErrorKind::InvalidUrl, format!("{url:?}: {why}"))
@@ -80,12 +94,21 @@ impl Endpoint {
                     name: rest.to_owned(),
                 })
             }
-            "rdma" => Err(Error::new(
-                ErrorKind::UnsupportedScheme,
-                format!(
-                    "{url:?}: the {scheme}:// transport is not available in this build (supported: {SCHEMES})"
-                ),
-            )),
+            "rdma" => match parse_tcp(url, rest)? {
+                Endpoint::Tcp { host, port } => Ok(Endpoint::Rdma { host, port }),
+                _ => Err(invalid(url, "expected host:port")),
+            },
+            "rdma+sim" => {
+                if rest.is_empty() || rest.len() > 256 || rest.chars().any(char::is_whitespace) {
+                    return Err(invalid(
+                        url,
+                        "an rdma+sim name is 1 to 256 characters without spaces",
+                    ));
+                }
+                Ok(Endpoint::RdmaSim {
+                    name: rest.to_owned(),
+                })
+            }
             _ => Err(Error::new(
                 ErrorKind::UnsupportedScheme,
                 format!("{url:?}: unknown scheme {scheme:?} (supported: {SCHEMES})"),
@@ -99,6 +122,16 @@ impl Endpoint {
             Endpoint::Tcp { .. } => "tcp",
             Endpoint::Inproc { .. } => "inproc",
             Endpoint::Shm { .. } => "shm",
+            Endpoint::Rdma { .. } => "rdma",
+            Endpoint::RdmaSim { .. } => "rdma+sim",
+        }
+    }
+
+    /// The cargo feature that compiles this endpoint's transport in.
+    pub(crate) fn feature(&self) -> &'static str {
+        match self {
+            Endpoint::Rdma { .. } | Endpoint::RdmaSim { .. } => "rdma",
+            other => other.scheme(),
         }
     }
 
@@ -109,7 +142,10 @@ impl Endpoint {
                 .parse::<IpAddr>()
                 .ok()
                 .map(|ip| SocketAddr::new(ip, *port)),
-            Endpoint::Inproc { .. } | Endpoint::Shm { .. } => None,
+            Endpoint::Inproc { .. }
+            | Endpoint::Shm { .. }
+            | Endpoint::Rdma { .. }
+            | Endpoint::RdmaSim { .. } => None,
         }
     }
 
@@ -184,6 +220,11 @@ impl fmt::Display for Endpoint {
             Endpoint::Tcp { host, port } => write!(f, "tcp://{host}:{port}"),
             Endpoint::Inproc { name } => write!(f, "inproc://{name}"),
             Endpoint::Shm { name } => write!(f, "shm://{name}"),
+            Endpoint::Rdma { host, port } if host.contains(':') => {
+                write!(f, "rdma://[{host}]:{port}")
+            }
+            Endpoint::Rdma { host, port } => write!(f, "rdma://{host}:{port}"),
+            Endpoint::RdmaSim { name } => write!(f, "rdma+sim://{name}"),
         }
     }
 }
@@ -201,6 +242,9 @@ mod tests {
             ("inproc://pipeline/stage-1", "inproc://pipeline/stage-1"),
             ("shm://frames", "shm://frames"),
             ("shm:///run/app.sock", "shm:///run/app.sock"),
+            ("rdma://10.0.0.1:7000", "rdma://10.0.0.1:7000"),
+            ("RDMA://[fe80::1]:7", "rdma://[fe80::1]:7"),
+            ("rdma+sim://a/b", "rdma+sim://a/b"),
         ] {
             assert_eq!(Endpoint::parse(url).unwrap().to_string(), canon);
         }
@@ -222,7 +266,8 @@ mod tests {
             ("tcp://:5", ErrorKind::InvalidUrl, "empty host"),
             ("inproc://", ErrorKind::InvalidUrl, "inproc name"),
             ("udp://x:1", ErrorKind::UnsupportedScheme, "unknown scheme"),
-            ("rdma://x:1", ErrorKind::UnsupportedScheme, "not available"),
+            ("rdma://x", ErrorKind::InvalidUrl, "host:port"),
+            ("rdma+sim://", ErrorKind::InvalidUrl, "rdma+sim name"),
             ("shm://a/b", ErrorKind::InvalidUrl, "shm name"),
             ("shm://", ErrorKind::InvalidUrl, "shm name"),
         ] {

@@ -130,3 +130,35 @@ fn middleware_futures_are_send() {
     require_send(&serve(l, tower::make::Shared::new(h.clone())).into_future());
     require_send(&serve_channel(ch, h));
 }
+
+#[cfg(feature = "rdma")]
+#[test]
+fn rdma_types_are_send_sync_unpin() {
+    use hyperframes::rdma::RdmaConfig;
+    use hyperframes::rdma::pool::{Lease, Pool, PoolError, PoolStats};
+    use hyperframes::rdma::proto::{Connection, Params, ProtoError, ReadRequest};
+    use hyperframes::rdma::sim::{Faults, SimConfig, SimMr, SimStats, SimVerbs};
+    use hyperframes::rdma::verbs::{Access, RemoteRegion, VerbsError};
+    assert_all!(
+        RdmaConfig,
+        Connection,
+        Params,
+        ProtoError,
+        ReadRequest,
+        SimVerbs,
+        SimMr,
+        SimConfig,
+        SimStats,
+        Faults,
+        Pool<SimVerbs>,
+        Lease<SimVerbs>,
+        PoolError,
+        PoolStats,
+        Access,
+        RemoteRegion,
+        VerbsError,
+    );
+    let (a, _b) = hyperframes::rdma::sim::pair(SimConfig::default());
+    let f = hyperframes::rdma::channel_pair(a.clone(), a, RdmaConfig::default());
+    require_send(&f);
+}

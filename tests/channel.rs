@@ -1,5 +1,6 @@
 //! Channel semantics, one suite run against every transport (inproc, tcp on io_uring, tcp on
-//! epoll): round trips, ordering, full duplex across tasks, half close, backpressure,
+//! epoll, tcp inline, shm, and with the `rdma` feature the RDMA transport over simulated
+//! verbs): round trips, ordering, full duplex across tasks, half close, backpressure,
 //! limits, receiver drop, reunite, cancel safety.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,6 +18,9 @@ enum T {
     Epoll,
     Inline,
     Shm,
+    /// `rdma+sim://`: the RDMA protocol and driver over the simulated verbs.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    RdmaSim,
 }
 
 static NAME: AtomicUsize = AtomicUsize::new(0);
@@ -31,6 +35,7 @@ impl T {
             T::Epoll => b.io_engine(IoEngine::Epoll).build().unwrap(),
             T::Inline => b.io_engine(IoEngine::Inline).build().unwrap(),
             T::Shm => b.shm_segment(256, 1 << 20).build().unwrap(),
+            T::RdmaSim => b.build().unwrap(),
         }
     }
 
@@ -38,6 +43,7 @@ impl T {
         match self {
             T::Inproc => format!("inproc://chan-{}", NAME.fetch_add(1, Ordering::Relaxed)),
             T::Uring | T::Epoll | T::Inline => "tcp://127.0.0.1:0".into(),
+            T::RdmaSim => format!("rdma+sim://chan-{}", NAME.fetch_add(1, Ordering::Relaxed)),
             T::Shm => format!(
                 "shm://chan-{}-{}",
                 std::process::id(),
@@ -457,6 +463,8 @@ macro_rules! suite {
         mod tcp_epoll { $( #[tokio::test] async fn $name() { super::$name(super::T::Epoll).await } )* }
         mod tcp_inline { $( #[tokio::test] async fn $name() { super::$name(super::T::Inline).await } )* }
         mod shm { $( #[tokio::test] async fn $name() { super::$name(super::T::Shm).await } )* }
+        #[cfg(feature = "rdma")]
+        mod rdma_sim { $( #[tokio::test] async fn $name() { super::$name(super::T::RdmaSim).await } )* }
     };
 }
 
@@ -494,6 +502,16 @@ mod threaded {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn ping_pong_inline() {
         ping_pong_many_times(T::Inline).await
+    }
+    #[cfg(feature = "rdma")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ping_pong_rdma_sim() {
+        ping_pong_many_times(T::RdmaSim).await
+    }
+    #[cfg(feature = "rdma")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn in_order_under_load_rdma_sim() {
+        in_order_under_load(T::RdmaSim).await
     }
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn ping_pong_shm() {

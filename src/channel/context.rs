@@ -220,6 +220,34 @@ impl ContextBuilder {
         self
     }
 
+    /// `rdma://` (feature `rdma`): receive buffers posted per connection (the peer's
+    /// credits; default 64) and their size in bytes (default 8704). Messages whose type,
+    /// metadata and body fit one buffer go in one send; larger bodies by rendezvous (the
+    /// receiver reads them with RDMA read). The size must hold the largest type and metadata
+    /// (`max_meta_bytes` + 319 bytes).
+    pub fn rdma_buffers(mut self, slots: u32, slot_bytes: u32) -> Self {
+        self.cfg.rdma_recv_slots = slots;
+        self.cfg.rdma_slot_size = slot_bytes;
+        self
+    }
+
+    /// `rdma://` (feature `rdma`): registered memory each connection may pin for bodies
+    /// (sent by rendezvous, and received), in bytes. Default 256 MiB, registered as needed
+    /// and reused; at least one `max_body` (rounded up to a power of two). When it is used
+    /// up, senders wait (backpressure), nothing fails.
+    pub fn rdma_pool_bytes(mut self, bytes: u64) -> Self {
+        self.cfg.rdma_pool_bytes = bytes;
+        self
+    }
+
+    /// `rdma://` (feature `rdma`): how long a connection may be idle before the peer is
+    /// probed with an RDMA read (a dead peer fails it: `ConnectionLost` on both halves).
+    /// Default 1 s.
+    pub fn rdma_keepalive(mut self, idle: Duration) -> Self {
+        self.cfg.rdma_keepalive = idle;
+        self
+    }
+
     /// Checks the settings and makes the context.
     pub fn build(mut self) -> Result<Context> {
         self.cfg.engine = self.env_engine?;
@@ -259,6 +287,13 @@ impl ContextBuilder {
         if c.handshake_timeout.is_zero() || c.connect_timeout.is_zero() || c.stall_timeout.is_zero()
         {
             return bad("timeouts must be longer than zero".into());
+        }
+        #[cfg(feature = "rdma")]
+        {
+            if c.rdma_keepalive.is_zero() {
+                return bad("the rdma keepalive must be longer than zero".into());
+            }
+            crate::transport::rdma::config(c).validate()?;
         }
         Ok(Context {
             inner: Arc::new(Transports::new(self.cfg)),

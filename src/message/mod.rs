@@ -18,7 +18,7 @@ mod kind;
 mod meta;
 
 pub use body::{Body, BodyMut, Location};
-#[cfg(feature = "shm")]
+#[cfg(any(feature = "shm", feature = "rdma"))]
 pub(crate) use body::{LeaseTag, LentMut};
 pub use kind::{IntoMsgType, InvalidType, MsgType};
 pub use meta::{InvalidMeta, Iter as MetaIter, Meta};

@@ -19,6 +19,8 @@ use crate::{BodyMut, Error, ErrorKind, Message};
 mod inproc;
 #[cfg(any(feature = "tcp", feature = "inproc"))]
 pub(crate) mod pipe;
+#[cfg(feature = "rdma")]
+pub(crate) mod rdma;
 #[cfg(feature = "shm")]
 pub(crate) mod shm;
 #[cfg(feature = "tcp")]
@@ -92,6 +94,10 @@ pub(crate) struct Config {
     pub(crate) shm_ring_entries: u32,
     pub(crate) shm_arena_bytes: u64,
     pub(crate) shm_any_uid: bool,
+    pub(crate) rdma_recv_slots: u32,
+    pub(crate) rdma_slot_size: u32,
+    pub(crate) rdma_pool_bytes: u64,
+    pub(crate) rdma_keepalive: Duration,
 }
 
 impl Default for Config {
@@ -114,6 +120,10 @@ impl Default for Config {
             shm_ring_entries: 4096,
             shm_arena_bytes: 32 << 20,
             shm_any_uid: false,
+            rdma_recv_slots: 64,
+            rdma_slot_size: 8192 + 512,
+            rdma_pool_bytes: 256 << 20,
+            rdma_keepalive: Duration::from_secs(1),
         }
     }
 }
@@ -173,6 +183,8 @@ pub(crate) struct Transports {
     inproc: Arc<inproc::Registry>,
     #[cfg(feature = "tcp")]
     tcp: tcp::Tcp,
+    #[cfg(feature = "rdma")]
+    rdma_sim: Arc<rdma::SimRegistry>,
 }
 
 impl Transports {
@@ -182,6 +194,8 @@ impl Transports {
             inproc: Arc::new(inproc::Registry::new(cfg.clone())),
             #[cfg(feature = "tcp")]
             tcp: tcp::Tcp::new(cfg.clone()),
+            #[cfg(feature = "rdma")]
+            rdma_sim: Arc::new(rdma::SimRegistry::new(cfg.clone())),
             cfg,
         }
     }
@@ -206,6 +220,10 @@ impl Transports {
             Endpoint::Inproc { name } => inproc::connect(&self.inproc, name).await,
             #[cfg(feature = "shm")]
             Endpoint::Shm { name } => shm::connect(name, &self.cfg).await,
+            #[cfg(feature = "rdma")]
+            Endpoint::Rdma { host, port } => rdma::connect(host, *port, &self.cfg).await,
+            #[cfg(feature = "rdma")]
+            Endpoint::RdmaSim { name } => rdma::sim_connect(&self.rdma_sim, name).await,
             #[allow(unreachable_patterns)]
             _ => Err(not_compiled(ep)),
         }
@@ -219,6 +237,10 @@ impl Transports {
             Endpoint::Inproc { name } => inproc::bind(&self.inproc, name),
             #[cfg(feature = "shm")]
             Endpoint::Shm { name } => shm::bind(name, &self.cfg).await,
+            #[cfg(feature = "rdma")]
+            Endpoint::Rdma { host, port } => rdma::bind(host, *port, &self.cfg).await,
+            #[cfg(feature = "rdma")]
+            Endpoint::RdmaSim { name } => rdma::sim_bind(&self.rdma_sim, name),
             #[allow(unreachable_patterns)]
             _ => Err(not_compiled(ep)),
         }
@@ -232,7 +254,7 @@ fn not_compiled(ep: &Endpoint) -> Error {
         format!(
             "{ep}: the {}:// transport is not compiled in (enable the `{}` feature)",
             ep.scheme(),
-            ep.scheme()
+            ep.feature()
         ),
     )
 }

@@ -1,0 +1,878 @@
+//! The async shell: one task per connection drives the protocol core over a verbs backend,
+//! and the user halves talk to it through a small shared state.
+//!
+//! The driver owns the [`Connection`], the receive and send buffers, the in-flight
+//! operations (a `FuturesUnordered` of completions) and the rendezvous bodies the peer may
+//! still read. Each wake-up it: takes completions and feeds them to the core; hands
+//! messages from the `Sender` to the core while the core may queue (credits) and the pool has
+//! room for bodies that must be copied into registered memory; fetches announced bodies
+//! into pool buffers while the pool has room; moves delivered messages to the `Receiver`
+//! while its queue has room (a full queue stops reposting receives, which stops the peer's
+//! credits: backpressure end to end); transmits what the core gives.
+//!
+//! A keepalive RDMA read of the peer's 8-byte keepalive region runs when the connection has
+//! been idle for the keepalive interval: a dead peer answers no read, the read fails with
+//! "transport retries exceeded", and both halves report `ConnectionLost` (a queue pair with
+//! only receives posted would otherwise never notice).
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use futures_util::task::AtomicWaker;
+
+use super::pool::{Lease, Pool, PoolError};
+use super::proto::{self, Connection, Params, ProtoError, ReadRequest};
+use super::verbs::{Access, Region, Verbs, VerbsError};
+use crate::error::Result;
+use crate::message::{Body, BodyMut, LeaseTag, LentMut};
+use crate::transport::{RecvHalf, SendHalf};
+use crate::wire::Limits;
+use crate::{Error, ErrorKind, Message};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Settings of one RDMA connection.
+#[derive(Clone, Debug)]
+pub struct RdmaConfig {
+    /// Receive buffers posted (the peer's credits). Default 64.
+    pub recv_slots: u32,
+    /// Bytes per receive buffer: messages up to this size (header, type, meta, body) go
+    /// eagerly in one send; larger bodies by rendezvous. Default 8 KiB + 512.
+    pub slot_size: u32,
+    /// Registered-memory budget for bodies, per connection and per direction: one pool for
+    /// bodies sent by rendezvous (and `Sender::alloc`), one for bodies received, so that
+    /// neither direction can starve the other. Default 256 MiB each, registered as needed.
+    pub pool_bytes: u64,
+    /// Messages queued between the `Sender` and the driver. Default 64.
+    pub send_queue: usize,
+    /// Messages delivered and not yet taken by the `Receiver`. Default 64.
+    pub recv_queue: usize,
+    /// Body bytes received (or being read) and not yet taken by the `Receiver`; one body is
+    /// always admitted. Default 16 MiB: a receiver that keeps up then reuses a few pool
+    /// buffers, which stay in the CPU's cache.
+    pub recv_queue_bytes: usize,
+    /// Idle time after which the peer is probed. Default 1 s.
+    pub keepalive: Duration,
+    /// What this side accepts.
+    pub limits: Limits,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> RdmaConfig {
+        RdmaConfig {
+            recv_slots: 64,
+            slot_size: 8192 + 512,
+            pool_bytes: 256 << 20,
+            send_queue: 64,
+            recv_queue: 64,
+            recv_queue_bytes: 16 << 20,
+            keepalive: Duration::from_secs(1),
+            limits: Limits::default(),
+        }
+    }
+}
+
+impl RdmaConfig {
+    /// Checks the settings.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |s: String| Err(Error::new(ErrorKind::Config, s));
+        if !(proto::MIN_SLOTS..=1 << 16).contains(&self.recv_slots) {
+            return bad(format!(
+                "rdma recv_slots is {}; use 4 to 65536",
+                self.recv_slots
+            ));
+        }
+        let need = proto::RTS_FIXED as u64 + 255 + u64::from(self.limits.max_meta_bytes);
+        if u64::from(self.slot_size) < need || self.slot_size > 1 << 24 {
+            return bad(format!(
+                "rdma slot_size is {}; use {need} (an RTS with the largest type and metadata) to 16 MiB",
+                self.slot_size
+            ));
+        }
+        let body_class = super::pool::class_of(self.limits.max_body as usize) as u64;
+        if self.pool_bytes < body_class {
+            return bad(format!(
+                "the rdma pool of {} bytes cannot hold one body of max_body {} ({body_class} bytes registered)",
+                self.pool_bytes, self.limits.max_body
+            ));
+        }
+        if self.send_queue == 0 || self.recv_queue == 0 {
+            return bad("rdma queues must hold at least one message".into());
+        }
+        Ok(())
+    }
+}
+
+/// State shared by the driver and the user halves.
+pub(crate) struct Shared {
+    st: Mutex<St>,
+    driver: AtomicWaker,
+    peer: String,
+}
+
+#[derive(Default)]
+struct St {
+    outq: VecDeque<Message>,
+    inq: VecDeque<Message>,
+    tx_waker: Option<Waker>,
+    rx_waker: Option<Waker>,
+    hello_waker: Option<Waker>,
+    error: Option<Error>,
+    tx_closing: bool,
+    close_done: bool,
+    tx_gone: bool,
+    rx_gone: bool,
+    peer_finished: bool,
+    peer_stopped: bool,
+    backlog: usize,
+    peer_limits: Option<Limits>,
+    exited: bool,
+    /// Body bytes in `inq`.
+    inq_bytes: usize,
+}
+
+impl St {
+    fn wake_tx(&mut self) {
+        if let Some(w) = self.tx_waker.take() {
+            w.wake();
+        }
+    }
+    fn wake_rx(&mut self) {
+        if let Some(w) = self.rx_waker.take() {
+            w.wake();
+        }
+    }
+}
+
+enum Done<M> {
+    Recv(std::result::Result<(M, usize), VerbsError>),
+    Send(std::result::Result<M, VerbsError>),
+    Read(u64, std::result::Result<M, VerbsError>),
+    Keepalive(std::result::Result<M, VerbsError>),
+}
+
+type OpFuture<M> = Pin<Box<dyn Future<Output = Done<M>> + Send>>;
+
+/// Memory a rendezvous body of ours lives in, kept until the peer's `FIN`.
+enum Held<V: Verbs> {
+    /// A body leased from our pool (sent without a copy); the clone keeps it alive.
+    Body(#[allow(dead_code)] Body),
+    /// A pool buffer the body was copied into.
+    Lease(#[allow(dead_code)] Lease<V>),
+}
+
+/// The connection task.
+pub(crate) struct Driver<V: Verbs> {
+    verbs: Arc<V>,
+    conn: Connection,
+    pool: Pool<V>,
+    rx_pool: Pool<V>,
+    sh: Arc<Shared>,
+    ops: FuturesUnordered<OpFuture<V::Mr>>,
+    cfg: RdmaConfig,
+    send_free: Vec<V::Mr>,
+    send_total: usize,
+    inflight: usize,
+    recv_held: VecDeque<(V::Mr, usize)>,
+    held: HashMap<u64, Held<V>>,
+    reads_waiting: VecDeque<ReadRequest>,
+    reading: HashMap<u64, Lease<V>>,
+    /// Body bytes being fetched (announced, not yet read).
+    rx_pending: usize,
+    /// Body bytes of the reads posted and not yet completed.
+    reading_bytes: usize,
+    _keepalive_src: V::Mr,
+    ka_buf: Option<V::Mr>,
+    ka_timer: Pin<Box<tokio::time::Sleep>>,
+    ka_in_flight: bool,
+    /// A flush seen: the queue pair is in the error state. The failure is reported once the
+    /// operation that caused it completed (so the error names it), or when nothing else is
+    /// in flight.
+    flushed: Option<Error>,
+    active: bool,
+    stopped: bool,
+}
+
+fn verbs_error(e: VerbsError, peer: &str) -> Error {
+    if e.is_peer_lost() {
+        Error::new(
+            ErrorKind::ConnectionLost,
+            format!("the RDMA peer {peer} is lost: {e}"),
+        )
+    } else {
+        Error::new(ErrorKind::Io, format!("RDMA connection to {peer}: {e}"))
+    }
+}
+
+fn proto_error(e: ProtoError, peer: &str) -> Error {
+    let kind = if e.is_limit() {
+        ErrorKind::LimitExceeded
+    } else {
+        ErrorKind::Protocol
+    };
+    Error::new(
+        kind,
+        format!("the RDMA peer {peer} broke the protocol: {e}"),
+    )
+}
+
+impl<V: Verbs> Driver<V> {
+    /// Registers the buffers, posts the receives and queues the `HELLO`. Posting happens
+    /// here, before the driver runs, so that a peer's first message finds them.
+    pub(crate) fn new(
+        verbs: Arc<V>,
+        cfg: RdmaConfig,
+        peer: String,
+    ) -> Result<(Driver<V>, Arc<Shared>, Pool<V>)> {
+        cfg.validate()?;
+        let reg = |len: usize, access: Access| {
+            verbs
+                .register(len, access)
+                .map_err(|e| verbs_error(e, &peer))
+        };
+        let keepalive_src = reg(8, Access::REMOTE_READ)?;
+        let ka_buf = reg(8, Access::LOCAL)?;
+        let params = Params {
+            recv_slots: cfg.recv_slots,
+            slot_size: cfg.slot_size,
+            limits: cfg.limits,
+            keepalive: keepalive_src.remote(0, 8),
+        };
+        let ops = FuturesUnordered::new();
+        for _ in 0..cfg.recv_slots {
+            let buf = reg(cfg.slot_size as usize, Access::LOCAL)?;
+            ops.push(recv_op(&*verbs, buf));
+        }
+        let pool = Pool::new(verbs.clone(), cfg.pool_bytes, Access::REMOTE_READ);
+        // RDMA read targets need local write access only.
+        let rx_pool = Pool::new(verbs.clone(), cfg.pool_bytes, Access::LOCAL);
+        let sh = Arc::new(Shared {
+            st: Mutex::new(St::default()),
+            driver: AtomicWaker::new(),
+            peer,
+        });
+        let d = Driver {
+            conn: Connection::new(params),
+            pool: pool.clone(),
+            rx_pool,
+            sh: sh.clone(),
+            ops,
+            send_free: Vec::new(),
+            send_total: 0,
+            inflight: 0,
+            recv_held: VecDeque::new(),
+            held: HashMap::new(),
+            reads_waiting: VecDeque::new(),
+            reading: HashMap::new(),
+            rx_pending: 0,
+            reading_bytes: 0,
+            _keepalive_src: keepalive_src,
+            ka_buf: Some(ka_buf),
+            ka_timer: Box::pin(tokio::time::sleep(cfg.keepalive)),
+            ka_in_flight: false,
+            flushed: None,
+            active: false,
+            stopped: false,
+            cfg,
+            verbs,
+        };
+        Ok((d, sh, pool))
+    }
+
+    fn fail(&mut self, e: Error) -> Poll<()> {
+        tracing::debug!(peer = %self.sh.peer, "rdma connection failed: {e}");
+        let mut st = lock(&self.sh.st);
+        if st.error.is_none() {
+            st.error = Some(e);
+        }
+        st.exited = true;
+        st.wake_tx();
+        st.wake_rx();
+        if let Some(w) = st.hello_waker.take() {
+            w.wake();
+        }
+        Poll::Ready(())
+    }
+
+    /// One pass over everything; true when anything happened.
+    fn step(&mut self, cx: &mut Context<'_>) -> std::result::Result<bool, Error> {
+        let peer = self.sh.peer.clone();
+        let mut progress = false;
+
+        // Completions.
+        while let Poll::Ready(Some(done)) = self.ops.poll_next_unpin(cx) {
+            progress = true;
+            self.active = true;
+            // A flushed operation did not fail by itself: remember, and look for the cause.
+            let flushed = match &done {
+                Done::Recv(Err(e))
+                | Done::Send(Err(e))
+                | Done::Read(_, Err(e))
+                | Done::Keepalive(Err(e))
+                    if e.status == super::verbs::WcStatus::Flushed =>
+                {
+                    Some(e.clone())
+                }
+                _ => None,
+            };
+            if let Some(e) = flushed {
+                match &done {
+                    Done::Send(_) | Done::Read(..) => self.inflight -= 1,
+                    Done::Keepalive(_) => self.ka_in_flight = false,
+                    Done::Recv(_) => {}
+                }
+                if self.flushed.is_none() {
+                    self.flushed = Some(verbs_error(e, &peer));
+                }
+                continue;
+            }
+            match done {
+                Done::Recv(r) => {
+                    let (buf, len) = r.map_err(|e| verbs_error(e, &peer))?;
+                    let len = len.min(buf.len());
+                    let len = proto::frame_len(&buf.as_slice()[..len]).map_or(len, |n| n.min(len));
+                    self.recv_held.push_back((buf, len));
+                }
+                Done::Send(r) => {
+                    self.inflight -= 1;
+                    self.send_free.push(r.map_err(|e| verbs_error(e, &peer))?);
+                }
+                Done::Read(rid, r) => {
+                    self.inflight -= 1;
+                    let mr = r.map_err(|e| verbs_error(e, &peer))?;
+                    let Some(mut lease) = self.reading.remove(&rid) else {
+                        continue;
+                    };
+                    lease.put_mr(mr);
+                    self.rx_pending = self.rx_pending.saturating_sub(lease.len());
+                    self.reading_bytes = self.reading_bytes.saturating_sub(lease.len());
+                    self.conn
+                        .handle_read_done(rid, Bytes::from_owner(lease))
+                        .map_err(|e| proto_error(e, &peer))?;
+                }
+                Done::Keepalive(r) => {
+                    self.ka_in_flight = false;
+                    self.ka_buf = Some(r.map_err(|e| verbs_error(e, &peer))?);
+                }
+            }
+        }
+        if self.flushed.is_some() {
+            if self.inflight == 0 && !self.ka_in_flight {
+                return Err(self.flushed.take().expect("checked"));
+            }
+            // Post nothing more; wait for the operations in flight to report.
+            return Ok(progress);
+        }
+
+        // Received messages: all of them, at once. Control messages take effect now (a `FIN`
+        // frees our buffers even while our Receiver is not read); messages wait in the core
+        // until the Receiver's queue has room, and are acknowledged (freeing the peer's
+        // credits) only then: that is the backpressure, and it bounds what waits here.
+        let mut st = lock(&self.sh.st);
+        while let Some((buf, len)) = self.recv_held.pop_front() {
+            let r = self.conn.handle_recv(&buf.as_slice()[..len]);
+            self.ops.push(recv_op(&*self.verbs, buf));
+            r.map_err(|e| proto_error(e, &peer))?;
+            progress = true;
+            // Count announced bodies at once, so the byte bound holds within this loop.
+            while let Some(r) = self.conn.poll_read() {
+                self.rx_pending += r.body.len as usize;
+                self.reads_waiting.push_back(r);
+            }
+            if st.peer_limits.is_none()
+                && let Some(p) = self.conn.peer()
+            {
+                st.peer_limits = Some(p.limits);
+                if let Some(w) = st.hello_waker.take() {
+                    w.wake();
+                }
+            }
+        }
+
+        // The user's half-close and receiver drop.
+        if st.rx_gone && !self.stopped {
+            self.stopped = true;
+            self.conn.stop();
+            st.inq.clear();
+            st.inq_bytes = 0;
+            progress = true;
+        }
+
+        // Messages from the Sender.
+        if self.conn.peer().is_some() {
+            while self.conn.can_queue() {
+                let Some(msg) = st.outq.front() else { break };
+                if self.conn.is_eager(msg) {
+                    let msg = st.outq.pop_front().expect("front exists");
+                    self.conn.send_eager(msg);
+                } else {
+                    let len = msg.body().len();
+                    let own = msg
+                        .body()
+                        .lease_tag()
+                        .and_then(|t| self.pool.region_of_tag(t.region, t.offset, len));
+                    let (region, held) = match own {
+                        Some(region) => (region, Held::Body(msg.body().clone())),
+                        None => match self.pool.try_alloc(len) {
+                            Ok(Some(mut lease)) => {
+                                let src = msg.body().as_bytes().map(|b| b.as_ref()).unwrap_or(&[]);
+                                lease.bytes_mut().copy_from_slice(src);
+                                let region = lease.mr().expect("fresh lease").remote(0, len);
+                                (region, Held::Lease(lease))
+                            }
+                            Ok(None) => {
+                                // Pool exhausted: backpressure until a buffer returns.
+                                self.pool.notify_on_release(cx.waker());
+                                break;
+                            }
+                            Err(e) => {
+                                return Err(Error::new(ErrorKind::LimitExceeded, e.to_string()));
+                            }
+                        },
+                    };
+                    let msg = st.outq.pop_front().expect("front exists");
+                    let rid = self.conn.send_rendezvous(msg, region);
+                    self.held.insert(rid, held);
+                }
+                progress = true;
+                st.wake_tx();
+            }
+            if st.tx_closing && st.outq.is_empty() && !self.conn.close_sent() {
+                self.conn.close();
+            }
+        }
+        drop(st);
+
+        // Bodies to fetch, while the pool has room.
+        while let Some(r) = self.conn.poll_read() {
+            self.rx_pending += r.body.len as usize;
+            self.reads_waiting.push_back(r);
+        }
+        while let Some(r) = self.reads_waiting.front().copied() {
+            // Read ahead of the Receiver by at most `recv_queue_bytes` (at least one body).
+            let queued = lock(&self.sh.st).inq_bytes;
+            if (queued > 0 || self.reading_bytes > 0)
+                && queued + self.reading_bytes >= self.cfg.recv_queue_bytes
+            {
+                break;
+            }
+            let lease = match self.rx_pool.try_alloc(r.body.len as usize) {
+                Ok(Some(l)) => l,
+                Ok(None) => {
+                    self.rx_pool.notify_on_release(cx.waker());
+                    break;
+                }
+                Err(PoolError::TooLarge { .. }) => {
+                    return Err(Error::new(
+                        ErrorKind::LimitExceeded,
+                        format!("an RDMA body of {} bytes exceeds the pool", r.body.len),
+                    ));
+                }
+                Err(PoolError::Register(e)) => return Err(verbs_error(e, &peer)),
+            };
+            self.reads_waiting.pop_front();
+            self.reading_bytes += r.body.len as usize;
+            let mut lease = lease;
+            let mr = lease.take_mr().expect("fresh lease");
+            self.reading.insert(r.rid, lease);
+            self.inflight += 1;
+            let rid = r.rid;
+            let fut = self.verbs.post_read(mr, r.body);
+            self.ops
+                .push(Box::pin(async move { Done::Read(rid, fut.await) }));
+            progress = true;
+        }
+
+        // Rendezvous bodies the peer is done with.
+        while let Some(rid) = self.conn.poll_release() {
+            self.held.remove(&rid);
+            progress = true;
+        }
+
+        // Transmit.
+        let peer_slot = self.conn.peer().map_or(self.cfg.slot_size, |p| p.slot_size) as usize;
+        while self.conn.wants_transmit() {
+            let buf = match self.send_free.pop() {
+                Some(b) if b.len() >= peer_slot => b,
+                _ if self.send_total < self.cfg.recv_slots as usize + 2 => {
+                    self.send_total += 1;
+                    self.verbs
+                        .register(peer_slot.max(proto::HELLO_LEN), Access::LOCAL)
+                        .map_err(|e| verbs_error(e, &peer))?
+                }
+                _ => break,
+            };
+            let mut buf = buf;
+            let Some(n) = self.conn.poll_transmit(buf.as_mut_slice()) else {
+                self.send_free.push(buf);
+                break;
+            };
+            self.inflight += 1;
+            let fut = self.verbs.post_send(buf, n);
+            self.ops
+                .push(Box::pin(async move { Done::Send(fut.await) }));
+            progress = true;
+        }
+
+        // Deliver.
+        let mut st = lock(&self.sh.st);
+        let mut delivered = false;
+        while st.inq.len() < self.cfg.recv_queue {
+            let Some(m) = self.conn.poll_message() else {
+                break;
+            };
+            if self.stopped {
+                continue;
+            }
+            st.inq_bytes += m.body().len();
+            st.inq.push_back(m);
+            delivered = true;
+        }
+        if delivered {
+            st.wake_rx();
+            progress = true;
+        }
+        let backlog = self.conn.queued() + st.outq.len();
+        if backlog != st.backlog {
+            st.backlog = backlog;
+            st.wake_tx();
+        }
+        if self.conn.close_sent() && !st.close_done {
+            st.close_done = true;
+            st.wake_tx();
+        }
+        if self.conn.peer_finished() && !st.peer_finished {
+            st.peer_finished = true;
+            st.wake_rx();
+        }
+        if self.conn.peer_stopped() && !st.peer_stopped {
+            st.peer_stopped = true;
+            st.wake_tx();
+        }
+        Ok(progress)
+    }
+
+    /// Both directions are over and nothing of ours is in use by the peer or the NIC.
+    fn finished(&self) -> bool {
+        self.conn.close_sent()
+            && self.conn.peer_closed()
+            && (self.conn.inbox_len() == 0 || self.stopped)
+            && self.conn.outstanding() == 0
+            && self.conn.queued() == 0
+            && self.inflight == 0
+            && self.recv_held.is_empty()
+            && self.reads_waiting.is_empty()
+            && self.reading.is_empty()
+    }
+
+    fn keepalive(&mut self, cx: &mut Context<'_>) {
+        if self.ka_timer.as_mut().poll(cx).is_pending() {
+            return;
+        }
+        let idle = !std::mem::take(&mut self.active);
+        if idle
+            && let Some(p) = self.conn.peer().copied()
+            && let Some(buf) = self.ka_buf.take()
+        {
+            let fut = self.verbs.post_read(buf, p.keepalive);
+            self.ka_in_flight = true;
+            self.ops
+                .push(Box::pin(async move { Done::Keepalive(fut.await) }));
+        }
+        let next = tokio::time::Instant::now() + self.cfg.keepalive;
+        self.ka_timer.as_mut().reset(next);
+        // Register the timer's waker.
+        let _ = self.ka_timer.as_mut().poll(cx);
+    }
+}
+
+fn recv_op<V: Verbs>(verbs: &V, buf: V::Mr) -> OpFuture<V::Mr> {
+    let fut = verbs.post_recv(buf);
+    Box::pin(async move { Done::Recv(fut.await) })
+}
+
+impl<V: Verbs> Future for Driver<V> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        this.sh.driver.register(cx.waker());
+        loop {
+            match this.step(cx) {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e) => return this.fail(e),
+            }
+            if this.finished() {
+                let mut st = lock(&this.sh.st);
+                st.exited = true;
+                st.wake_tx();
+                st.wake_rx();
+                return Poll::Ready(());
+            }
+            {
+                let st = lock(&this.sh.st);
+                if st.tx_gone && st.rx_gone && this.conn.peer().is_none() {
+                    // Nobody will use a connection whose set-up never finished.
+                    drop(st);
+                    return this.fail(Error::new(ErrorKind::Closed, "the channel was dropped"));
+                }
+            }
+            this.keepalive(cx);
+            return Poll::Pending;
+        }
+    }
+}
+
+impl Shared {
+    fn wake_driver(&self) {
+        self.driver.wake();
+    }
+
+    /// Waits for the peer's `HELLO`; its limits.
+    pub(crate) fn poll_hello(&self, cx: &mut Context<'_>) -> Poll<Result<Limits>> {
+        let mut st = lock(&self.st);
+        if let Some(e) = &st.error {
+            return Poll::Ready(Err(e.duplicate()));
+        }
+        if let Some(l) = st.peer_limits {
+            return Poll::Ready(Ok(l));
+        }
+        st.hello_waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
+    /// The peer this connects to.
+    pub(crate) fn peer(&self) -> &str {
+        &self.peer
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// User halves
+// ---------------------------------------------------------------------------------------
+
+pub(crate) struct RdmaSender<V: Verbs> {
+    sh: Arc<Shared>,
+    pool: Pool<V>,
+    eager_max: usize,
+    send_queue: usize,
+}
+
+impl<V: Verbs> RdmaSender<V> {
+    pub(crate) fn new(sh: Arc<Shared>, pool: Pool<V>, cfg: &RdmaConfig) -> RdmaSender<V> {
+        RdmaSender {
+            sh,
+            pool,
+            eager_max: cfg.slot_size as usize,
+            send_queue: cfg.send_queue,
+        }
+    }
+
+    fn check(&self, st: &St) -> Result<()> {
+        if let Some(e) = &st.error {
+            return Err(e.duplicate());
+        }
+        if st.tx_closing {
+            return Err(Error::new(ErrorKind::Closed, "sender closed"));
+        }
+        if st.peer_stopped {
+            return Err(Error::new(
+                ErrorKind::Closed,
+                "the peer dropped its receiving half; nothing sent now would be read",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl<V: Verbs> SendHalf for RdmaSender<V> {
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let mut st = lock(&self.sh.st);
+        self.check(&st)?;
+        if st.outq.len() < self.send_queue {
+            return Poll::Ready(Ok(()));
+        }
+        st.tx_waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
+    fn start_send(&mut self, msg: Message) -> Result<()> {
+        let mut st = lock(&self.sh.st);
+        if let Err(e) = self.check(&st) {
+            return Err(e.with_message(msg));
+        }
+        st.outq.push_back(msg);
+        st.backlog += 1;
+        drop(st);
+        self.sh.wake_driver();
+        Ok(())
+    }
+
+    fn poll_submit(&mut self, _cx: &mut Context<'_>) -> Poll<Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let mut st = lock(&self.sh.st);
+        if let Some(e) = &st.error {
+            return Poll::Ready(Err(e.duplicate()));
+        }
+        if st.backlog == 0 && st.outq.is_empty() {
+            return Poll::Ready(Ok(()));
+        }
+        if st.peer_stopped {
+            return Poll::Ready(Err(Error::new(
+                ErrorKind::Closed,
+                "the peer dropped its receiving half",
+            )));
+        }
+        st.tx_waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
+    fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let mut st = lock(&self.sh.st);
+        if !st.tx_closing {
+            st.tx_closing = true;
+            drop(st);
+            self.sh.wake_driver();
+            st = lock(&self.sh.st);
+        }
+        if st.close_done || st.peer_stopped {
+            return Poll::Ready(Ok(()));
+        }
+        if let Some(e) = &st.error {
+            return Poll::Ready(Err(e.duplicate()));
+        }
+        st.tx_waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
+    fn poll_alloc(&mut self, cx: &mut Context<'_>, len: usize) -> Poll<Result<BodyMut>> {
+        self.check(&lock(&self.sh.st))?;
+        if len <= self.eager_max {
+            // Small bodies travel inside an eager send (one copy into the send buffer).
+            return Poll::Ready(Ok(BodyMut::zeroed(len)));
+        }
+        match self.pool.poll_alloc(cx, len) {
+            Poll::Ready(Ok(lease)) => {
+                let rkey = lease.mr().expect("fresh lease").remote(0, len);
+                let tag = LeaseTag {
+                    region: self.pool.tag_region(rkey.rkey),
+                    offset: rkey.addr,
+                };
+                Poll::Ready(Ok(BodyMut::lent(Box::new(PoolBodyMut { lease, tag }))))
+            }
+            Poll::Ready(Err(e)) => {
+                Poll::Ready(Err(Error::new(ErrorKind::LimitExceeded, e.to_string())))
+            }
+            Poll::Pending => {
+                // Woken when a lease returns, or (through the sender's waker) on failure.
+                lock(&self.sh.st).tx_waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl<V: Verbs> Drop for RdmaSender<V> {
+    fn drop(&mut self) {
+        let mut st = lock(&self.sh.st);
+        st.tx_gone = true;
+        st.tx_closing = true;
+        drop(st);
+        self.sh.wake_driver();
+    }
+}
+
+/// A body being written in a registered pool buffer (`Sender::alloc`).
+struct PoolBodyMut<V: Verbs> {
+    lease: Lease<V>,
+    tag: LeaseTag,
+}
+
+impl<V: Verbs> LentMut for PoolBodyMut<V> {
+    fn as_slice(&self) -> &[u8] {
+        self.lease.bytes()
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.lease.bytes_mut()
+    }
+
+    fn freeze(self: Box<Self>) -> Body {
+        let tag = self.tag;
+        Body::leased(Bytes::from_owner(self.lease), tag)
+    }
+}
+
+pub(crate) struct RdmaReceiver {
+    sh: Arc<Shared>,
+    done: bool,
+}
+
+impl RdmaReceiver {
+    pub(crate) fn new(sh: Arc<Shared>) -> RdmaReceiver {
+        RdmaReceiver { sh, done: false }
+    }
+}
+
+impl RecvHalf for RdmaReceiver {
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        let mut st = lock(&self.sh.st);
+        if let Some(m) = st.inq.pop_front() {
+            st.inq_bytes -= m.body().len();
+            drop(st);
+            self.sh.wake_driver();
+            return Poll::Ready(Some(Ok(m)));
+        }
+        if let Some(e) = &st.error {
+            self.done = true;
+            return Poll::Ready(Some(Err(e.duplicate())));
+        }
+        if st.peer_finished {
+            self.done = true;
+            return Poll::Ready(None);
+        }
+        if st.exited {
+            self.done = true;
+            return Poll::Ready(Some(Err(Error::new(
+                ErrorKind::ConnectionLost,
+                format!("the RDMA connection to {} ended", self.sh.peer),
+            ))));
+        }
+        st.rx_waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+}
+
+impl Drop for RdmaReceiver {
+    fn drop(&mut self) {
+        lock(&self.sh.st).rx_gone = true;
+        self.sh.wake_driver();
+    }
+}
+
+/// Builds the halves for a driver that is running.
+pub(crate) fn halves<V: Verbs>(
+    sh: Arc<Shared>,
+    pool: Pool<V>,
+    cfg: &RdmaConfig,
+) -> (Box<dyn SendHalf>, Box<dyn RecvHalf>) {
+    (
+        Box::new(RdmaSender::new(sh.clone(), pool, cfg)),
+        Box::new(RdmaReceiver::new(sh)),
+    )
+}

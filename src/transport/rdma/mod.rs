@@ -1,0 +1,271 @@
+//! `rdma://host:port`: RDMA (InfiniBand, RoCE) with a sans-IO protocol core.
+//!
+//! # Organization
+//! * [`proto`] — the protocol, sans-IO: set-up exchange, eager sends into pre-posted
+//!   receive buffers with credits, rendezvous by RDMA read for large bodies, `FIN`s. Its module
+//!   docs are the wire specification.
+//! * [`verbs`] — the [`Verbs`](verbs::Verbs) trait the protocol is driven over: register
+//!   memory, post receive/send/read/write, completions as futures.
+//! * [`pool`] — a bounded pool of registered buffers, reused, returned on drop.
+//! * [`sim`] — simulated verbs (two queue pairs in memory) enforcing what a NIC enforces,
+//!   with injectable faults: how CI tests the protocol.
+//! * `driver` — the async shell: one task per connection, and the user halves.
+//! * `async_rdma` — the real backend on async-rdma (GPL-3.0-only), behind a device check.
+//!
+//! `rdma+sim://name` runs the same transport over the simulation, inside one process (names
+//! are per `Context`, as for `inproc://`): the channel API end to end without hardware.
+
+pub(crate) mod async_rdma;
+pub(crate) mod driver;
+pub mod pool;
+pub mod proto;
+pub mod sim;
+pub mod verbs;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use tokio::sync::mpsc;
+
+use super::{AcceptHalf, Config, Parts};
+use crate::error::Result;
+use crate::{Error, ErrorKind};
+use driver::Driver;
+pub(crate) use driver::RdmaConfig;
+use verbs::Verbs;
+
+/// The RDMA settings of a context.
+pub(crate) fn config(cfg: &Config) -> RdmaConfig {
+    RdmaConfig {
+        recv_slots: cfg.rdma_recv_slots,
+        slot_size: cfg.rdma_slot_size,
+        pool_bytes: cfg.rdma_pool_bytes,
+        send_queue: cfg.send_queue,
+        recv_queue: cfg.recv_queue,
+        recv_queue_bytes: cfg.recv_queue_bytes,
+        keepalive: cfg.rdma_keepalive,
+        limits: cfg.limits,
+    }
+}
+
+fn runtime() -> Result<()> {
+    tokio::runtime::Handle::try_current()
+        .map(|_| ())
+        .map_err(|_| {
+            Error::new(
+                ErrorKind::Unavailable,
+                "rdma:// needs a tokio runtime in the caller (a driver task runs each connection)",
+            )
+        })
+}
+
+/// Starts a connection's driver over `verbs` (receives are posted before this returns) and
+/// waits for the peer's `HELLO`.
+pub(crate) async fn establish<V: Verbs>(
+    verbs: Arc<V>,
+    cfg: RdmaConfig,
+    handshake_timeout: std::time::Duration,
+    local: String,
+    peer: String,
+) -> Result<Parts> {
+    let p = prepare(verbs, cfg, peer)?;
+    finish(p.spawn(), handshake_timeout, local).await
+}
+
+/// A driver whose receives are posted, not yet running.
+pub(crate) struct Prepared {
+    run: Pin<Box<dyn Future<Output = ()> + Send>>,
+    started: Started,
+}
+
+impl Prepared {
+    /// Runs the driver on the current tokio runtime.
+    pub(crate) fn spawn(self) -> Started {
+        tokio::spawn(self.run);
+        self.started
+    }
+}
+
+/// A driver started, halves made, `HELLO` not yet received.
+pub(crate) struct Started {
+    sh: Arc<driver::Shared>,
+    tx: Box<dyn super::SendHalf>,
+    rx: Box<dyn super::RecvHalf>,
+}
+
+/// Registers and posts a connection's buffers and makes its halves. Two sides in one process
+/// are both prepared before either is spawned, so that no `HELLO` can find the other's
+/// receive queue empty.
+pub(crate) fn prepare<V: Verbs>(verbs: Arc<V>, cfg: RdmaConfig, peer: String) -> Result<Prepared> {
+    runtime()?;
+    let (drv, sh, pool) = Driver::new(verbs, cfg.clone(), peer)?;
+    // The halves exist before the driver runs: dropping them (a failed or cancelled set-up)
+    // is what tells the driver to stop.
+    let (tx, rx) = driver::halves(sh.clone(), pool, &cfg);
+    Ok(Prepared {
+        run: Box::pin(drv),
+        started: Started { sh, tx, rx },
+    })
+}
+
+pub(crate) async fn finish(
+    s: Started,
+    handshake_timeout: std::time::Duration,
+    local: String,
+) -> Result<Parts> {
+    let peer = s.sh.peer().to_owned();
+    let limits = tokio::time::timeout(
+        handshake_timeout,
+        std::future::poll_fn(|cx| s.sh.poll_hello(cx)),
+    )
+    .await
+    .map_err(|_| {
+        Error::new(
+            ErrorKind::TimedOut,
+            format!("no RDMA HELLO from {peer} within {handshake_timeout:?}"),
+        )
+    })??;
+    Ok(Parts {
+        tx: s.tx,
+        rx: s.rx,
+        transport: "rdma",
+        local,
+        peer,
+        peer_limits: limits,
+        keepalive: None,
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// rdma+sim://
+// ---------------------------------------------------------------------------------------
+
+/// `rdma+sim://` names of one context.
+pub(crate) struct SimRegistry {
+    cfg: Config,
+    names: Mutex<HashMap<String, (u64, mpsc::Sender<Parts>)>>,
+    next_id: AtomicU64,
+}
+
+impl SimRegistry {
+    pub(crate) fn new(cfg: Config) -> SimRegistry {
+        SimRegistry {
+            cfg,
+            names: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    fn names(&self) -> std::sync::MutexGuard<'_, HashMap<String, (u64, mpsc::Sender<Parts>)>> {
+        self.names.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+pub(crate) fn sim_bind(
+    reg: &Arc<SimRegistry>,
+    name: &str,
+) -> Result<(Box<dyn AcceptHalf>, String)> {
+    config(&reg.cfg).validate()?;
+    let url = format!("rdma+sim://{name}");
+    let mut names = reg.names();
+    if let Some((_, tx)) = names.get(name)
+        && !tx.is_closed()
+    {
+        return Err(Error::new(
+            ErrorKind::AddrInUse,
+            format!("{url} is already bound in this context"),
+        ));
+    }
+    let (tx, rx) = mpsc::channel(reg.cfg.accept_backlog.max(1));
+    let id = reg.next_id.fetch_add(1, Ordering::Relaxed);
+    names.insert(name.to_owned(), (id, tx));
+    Ok((
+        Box::new(SimAccept {
+            rx,
+            id,
+            name: name.to_owned(),
+            reg: Arc::downgrade(reg),
+        }),
+        url,
+    ))
+}
+
+pub(crate) async fn sim_connect(reg: &Arc<SimRegistry>, name: &str) -> Result<Parts> {
+    let url = format!("rdma+sim://{name}");
+    let Some((_, tx)) = reg.names().get(name).cloned() else {
+        return Err(Error::new(
+            ErrorKind::ConnectionRefused,
+            format!("nothing is bound at {url} in this context"),
+        ));
+    };
+    let cfg = config(&reg.cfg);
+    let (a, b) = sim::pair(sim::SimConfig::default());
+    let id = reg.next_id.fetch_add(1, Ordering::Relaxed);
+    // Both sides post their receives (in `start`) before either sends its HELLO.
+    let client = prepare(Arc::new(a), cfg.clone(), format!("{url}#listener"))?;
+    let server = prepare(Arc::new(b), cfg, format!("{url}#conn{id}"))?;
+    let (client, server) = (client.spawn(), server.spawn());
+    let t = reg.cfg.handshake_timeout;
+    let (c, s) = tokio::join!(
+        finish(client, t, url.clone()),
+        finish(server, t, url.clone())
+    );
+    let (c, s) = (c?, s?);
+    tx.send(s).await.map_err(|_| {
+        Error::new(
+            ErrorKind::ConnectionRefused,
+            format!("the listener at {url} is gone"),
+        )
+    })?;
+    Ok(c)
+}
+
+struct SimAccept {
+    rx: mpsc::Receiver<Parts>,
+    id: u64,
+    name: String,
+    reg: std::sync::Weak<SimRegistry>,
+}
+
+impl AcceptHalf for SimAccept {
+    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Parts>> {
+        self.rx.poll_recv(cx).map(|p| {
+            p.ok_or_else(|| Error::new(ErrorKind::Closed, "the rdma+sim listener is closed"))
+        })
+    }
+
+    fn rejected(&self) -> u64 {
+        0
+    }
+}
+
+impl Drop for SimAccept {
+    fn drop(&mut self) {
+        if let Some(reg) = self.reg.upgrade() {
+            let mut names = reg.names();
+            if names.get(&self.name).is_some_and(|(id, _)| *id == self.id) {
+                names.remove(&self.name);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// rdma:// on hardware
+// ---------------------------------------------------------------------------------------
+
+pub(crate) async fn connect(host: &str, port: u16, cfg: &Config) -> Result<Parts> {
+    async_rdma::connect(host, port, cfg).await
+}
+
+pub(crate) async fn bind(
+    host: &str,
+    port: u16,
+    cfg: &Config,
+) -> Result<(Box<dyn AcceptHalf>, String)> {
+    async_rdma::bind(host, port, cfg).await
+}
