@@ -98,20 +98,7 @@ fn main() {
     let group = "rdma_sim_4MiB";
     let mut g = c.benchmark_group(group);
     g.throughput(Throughput::Bytes(BIG as u64));
-    let src = vec![7u8; BIG];
-    let mut dst = vec![0u8; BIG];
-    g.bench_function("memcpy", |b| {
-        b.iter_custom(|n| {
-            let start = Instant::now();
-            for _ in 0..n {
-                dst.copy_from_slice(black_box(&src));
-                black_box(&dst);
-            }
-            let d = start.elapsed();
-            record(group, "memcpy", d, n);
-            d
-        })
-    });
+    common::bench_memcpy(&mut g, group, BIG);
     let variants = [
         ("channel_alloc", RdmaConfig::default(), SimConfig::default()),
         (

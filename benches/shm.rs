@@ -183,20 +183,7 @@ fn bench_bandwidth(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_secs(1));
     // The baseline: memcpy of 4 MiB between two buffers of this process.
-    let src = vec![7u8; BIG];
-    let mut dst = vec![0u8; BIG];
-    g.bench_function("memcpy", |b| {
-        b.iter_custom(|n| {
-            let start = Instant::now();
-            for _ in 0..n {
-                dst.copy_from_slice(black_box(&src));
-                black_box(&dst);
-            }
-            let d = start.elapsed();
-            record(group, "memcpy", d, n);
-            d
-        })
-    });
+    common::bench_memcpy(&mut g, group, BIG);
     let body = Bytes::from(vec![5u8; BIG]);
     for (name, in_place) in [("copy_in", false), ("alloc_in_place", true)] {
         let (mut ch, _peer) = rt.block_on(pair("sink", false));

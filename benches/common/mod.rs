@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The peer process, killed when dropped.
 pub(crate) struct Peer(Child);
@@ -60,4 +60,27 @@ pub(crate) fn all() -> Vec<(String, String, f64)> {
     t.iter()
         .map(|((g, f), (s, n))| (g.clone(), f.clone(), *n as f64 / s))
         .collect()
+}
+
+/// The baseline of a bandwidth group: memcpy of `len` bytes between two buffers of this
+/// process, recorded as (group, "memcpy").
+pub(crate) fn bench_memcpy<M: criterion::measurement::Measurement<Value = Duration>>(
+    g: &mut criterion::BenchmarkGroup<'_, M>,
+    group: &str,
+    len: usize,
+) {
+    let src = vec![7u8; len];
+    let mut dst = vec![0u8; len];
+    g.bench_function("memcpy", |b| {
+        b.iter_custom(|n| {
+            let start = Instant::now();
+            for _ in 0..n {
+                dst.copy_from_slice(std::hint::black_box(&src));
+                std::hint::black_box(&dst);
+            }
+            let d = start.elapsed();
+            record(group, "memcpy", d, n);
+            d
+        })
+    });
 }

@@ -3,13 +3,10 @@
 //!
 //! Names are scoped to a [`Context`](crate::Context) (and its clones), as in ZeroMQ.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use tokio::sync::mpsc;
-
+use super::names::Names;
 use super::pipe::{Pipe, Stager, Unbatcher};
 use super::{AcceptHalf, Config, Parts, RecvHalf, SendHalf};
 use crate::error::Result;
@@ -17,74 +14,34 @@ use crate::{Error, ErrorKind, Message};
 
 pub(crate) struct Registry {
     cfg: Config,
-    /// Bound names: the bind's id (so a listener only unregisters itself) and its backlog.
-    names: Mutex<HashMap<String, (u64, mpsc::Sender<Parts>)>>,
-    next_id: AtomicU64,
+    names: Arc<Names>,
 }
 
 impl Registry {
     pub(crate) fn new(cfg: Config) -> Registry {
         Registry {
+            names: Names::new("inproc", cfg.accept_backlog),
             cfg,
-            names: Mutex::new(HashMap::new()),
-            next_id: AtomicU64::new(1),
         }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (u64, mpsc::Sender<Parts>)>> {
-        // The map stays consistent even if a holder panicked: every operation is one call.
-        self.names.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
 pub(crate) fn bind(reg: &Arc<Registry>, name: &str) -> Result<(Box<dyn AcceptHalf>, String)> {
-    let url = format!("inproc://{name}");
-    let mut names = reg.lock();
-    if let Some((_, tx)) = names.get(name)
-        && !tx.is_closed()
-    {
-        return Err(Error::new(
-            ErrorKind::AddrInUse,
-            format!("{url} is already bound in this context"),
-        ));
-    }
-    let (tx, rx) = mpsc::channel(reg.cfg.accept_backlog.max(1));
-    let id = reg.next_id.fetch_add(1, Ordering::Relaxed);
-    names.insert(name.to_owned(), (id, tx));
-    Ok((
-        Box::new(InprocAccept {
-            rx,
-            id,
-            name: name.to_owned(),
-            reg: Arc::downgrade(reg),
-        }),
-        url,
-    ))
+    reg.names.bind(name)
 }
 
 pub(crate) async fn connect(reg: &Arc<Registry>, name: &str) -> Result<Parts> {
-    let url = format!("inproc://{name}");
-    let not_found = {
-        let url = url.clone();
-        move || {
-            Error::new(
-                ErrorKind::ConnectionRefused,
-                format!("nothing is bound at {url} in this context"),
-            )
-        }
-    };
-    let Some((_, tx)) = reg.lock().get(name).cloned() else {
-        return Err(not_found());
-    };
+    let url = reg.names.url(name);
+    let tx = reg.names.lookup(name)?;
     let cfg = &reg.cfg;
-    let id = reg.next_id.fetch_add(1, Ordering::Relaxed);
+    let id = reg.names.next_id();
     let up = Pipe::new(cfg.send_queue, cfg.send_queue_bytes);
     let down = Pipe::new(cfg.recv_queue, cfg.recv_queue_bytes);
-    let peer_name = format!("inproc://{name}#{id}");
+    let peer_name = format!("{url}#{id}");
     let server = parts(&down, &up, cfg, url.clone(), peer_name.clone());
     let client = parts(&up, &down, cfg, peer_name, url);
     // Waits while the listener's backlog is full: connecting is backpressured too.
-    tx.send(server).await.map_err(|_| not_found())?;
+    tx.send(server).await.map_err(|_| reg.names.refused(name))?;
     Ok(client)
 }
 
@@ -102,38 +59,6 @@ fn parts(out: &Arc<Pipe>, inp: &Arc<Pipe>, cfg: &Config, local: String, peer: St
         peer,
         peer_limits: cfg.limits,
         keepalive: None,
-    }
-}
-
-struct InprocAccept {
-    rx: mpsc::Receiver<Parts>,
-    id: u64,
-    name: String,
-    reg: Weak<Registry>,
-}
-
-impl AcceptHalf for InprocAccept {
-    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Parts>> {
-        // The registry holds the sender while the listener lives, so `None` cannot happen
-        // before drop; report it as closed rather than assume.
-        self.rx
-            .poll_recv(cx)
-            .map(|p| p.ok_or_else(|| Error::new(ErrorKind::Closed, "inproc listener closed")))
-    }
-
-    fn rejected(&self) -> u64 {
-        0
-    }
-}
-
-impl Drop for InprocAccept {
-    fn drop(&mut self) {
-        if let Some(reg) = self.reg.upgrade() {
-            let mut names = reg.lock();
-            if names.get(&self.name).is_some_and(|(id, _)| *id == self.id) {
-                names.remove(&self.name);
-            }
-        }
     }
 }
 

@@ -17,6 +17,8 @@ use crate::{BodyMut, Error, ErrorKind, Message};
 
 #[cfg(feature = "inproc")]
 mod inproc;
+#[cfg(any(feature = "inproc", feature = "rdma"))]
+mod names;
 #[cfg(any(feature = "tcp", feature = "inproc"))]
 pub(crate) mod pipe;
 #[cfg(feature = "rdma")]

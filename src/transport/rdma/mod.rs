@@ -22,15 +22,11 @@ pub mod proto;
 pub mod sim;
 pub mod verbs;
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::sync::Arc;
 
-use tokio::sync::mpsc;
-
+use super::names::Names;
 use super::{AcceptHalf, Config, Parts};
 use crate::error::Result;
 use crate::{Error, ErrorKind};
@@ -147,21 +143,15 @@ pub(crate) async fn finish(
 /// `rdma+sim://` names of one context.
 pub(crate) struct SimRegistry {
     cfg: Config,
-    names: Mutex<HashMap<String, (u64, mpsc::Sender<Parts>)>>,
-    next_id: AtomicU64,
+    names: Arc<Names>,
 }
 
 impl SimRegistry {
     pub(crate) fn new(cfg: Config) -> SimRegistry {
         SimRegistry {
+            names: Names::new("rdma+sim", cfg.accept_backlog),
             cfg,
-            names: Mutex::new(HashMap::new()),
-            next_id: AtomicU64::new(1),
         }
-    }
-
-    fn names(&self) -> std::sync::MutexGuard<'_, HashMap<String, (u64, mpsc::Sender<Parts>)>> {
-        self.names.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -170,41 +160,15 @@ pub(crate) fn sim_bind(
     name: &str,
 ) -> Result<(Box<dyn AcceptHalf>, String)> {
     config(&reg.cfg).validate()?;
-    let url = format!("rdma+sim://{name}");
-    let mut names = reg.names();
-    if let Some((_, tx)) = names.get(name)
-        && !tx.is_closed()
-    {
-        return Err(Error::new(
-            ErrorKind::AddrInUse,
-            format!("{url} is already bound in this context"),
-        ));
-    }
-    let (tx, rx) = mpsc::channel(reg.cfg.accept_backlog.max(1));
-    let id = reg.next_id.fetch_add(1, Ordering::Relaxed);
-    names.insert(name.to_owned(), (id, tx));
-    Ok((
-        Box::new(SimAccept {
-            rx,
-            id,
-            name: name.to_owned(),
-            reg: Arc::downgrade(reg),
-        }),
-        url,
-    ))
+    reg.names.bind(name)
 }
 
 pub(crate) async fn sim_connect(reg: &Arc<SimRegistry>, name: &str) -> Result<Parts> {
-    let url = format!("rdma+sim://{name}");
-    let Some((_, tx)) = reg.names().get(name).cloned() else {
-        return Err(Error::new(
-            ErrorKind::ConnectionRefused,
-            format!("nothing is bound at {url} in this context"),
-        ));
-    };
+    let url = reg.names.url(name);
+    let tx = reg.names.lookup(name)?;
     let cfg = config(&reg.cfg);
     let (a, b) = sim::pair(sim::SimConfig::default());
-    let id = reg.next_id.fetch_add(1, Ordering::Relaxed);
+    let id = reg.names.next_id();
     // Both sides post their receives (in `start`) before either sends its HELLO.
     let client = prepare(Arc::new(a), cfg.clone(), format!("{url}#listener"))?;
     let server = prepare(Arc::new(b), cfg, format!("{url}#conn{id}"))?;
@@ -222,36 +186,6 @@ pub(crate) async fn sim_connect(reg: &Arc<SimRegistry>, name: &str) -> Result<Pa
         )
     })?;
     Ok(c)
-}
-
-struct SimAccept {
-    rx: mpsc::Receiver<Parts>,
-    id: u64,
-    name: String,
-    reg: std::sync::Weak<SimRegistry>,
-}
-
-impl AcceptHalf for SimAccept {
-    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Parts>> {
-        self.rx.poll_recv(cx).map(|p| {
-            p.ok_or_else(|| Error::new(ErrorKind::Closed, "the rdma+sim listener is closed"))
-        })
-    }
-
-    fn rejected(&self) -> u64 {
-        0
-    }
-}
-
-impl Drop for SimAccept {
-    fn drop(&mut self) {
-        if let Some(reg) = self.reg.upgrade() {
-            let mut names = reg.names();
-            if names.get(&self.name).is_some_and(|(id, _)| *id == self.id) {
-                names.remove(&self.name);
-            }
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------
