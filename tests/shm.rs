@@ -370,3 +370,77 @@ async fn another_user_is_refused() {
     .expect("the listener refuses the other user");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Regression (double release): a message whose type and metadata do not fit the descriptor
+/// (their block goes in the arena) and whose body is larger than the arena (a memfd passed on
+/// the socket). When the descriptor is seen before its memfd has come through the socket, the
+/// receiver must not release the head block twice: that wrapped the block's count and the
+/// sender waited for room forever (stuck at message 256 of 1500 with these sizes). The
+/// receiver busy-polls on a single-threaded runtime, so it nearly always sees a descriptor
+/// before the task that reads the socket has run.
+#[test]
+fn long_metadata_with_bodies_larger_than_the_arena() {
+    const N: u64 = 1500;
+    let url = url("longmeta");
+    let ctx = || {
+        Context::builder()
+            .shm_segment(64, 64 << 10)
+            .busy_poll(true)
+            .build()
+            .unwrap()
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut l = rt.block_on(ctx().bind(&url)).unwrap();
+    let sender = std::thread::spawn({
+        let url = url.clone();
+        move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let (mut tx, _rx) = ctx().connect(&url).await.unwrap().split();
+                let long = "m".repeat(100);
+                for i in 0..N {
+                    let m = Message::new("regression.double.release")
+                        .unwrap()
+                        .with_meta("i", &i.to_string())
+                        .unwrap()
+                        .with_meta("long", &long)
+                        .unwrap()
+                        .with_body(vec![(i % 251) as u8; 96 << 10]);
+                    if timeout(Duration::from_secs(20), tx.send(m)).await.is_err() {
+                        return Err(i);
+                    }
+                }
+                tx.close().await.unwrap();
+                Ok(N)
+            })
+        }
+    });
+    let received = rt.block_on(async {
+        let (_tx, mut rx) = timeout(GUARD, l.accept()).await.unwrap().unwrap().split();
+        timeout(Duration::from_secs(60), async {
+            let mut n = 0u64;
+            while let Some(m) = rx.recv().await {
+                let m = m.unwrap();
+                assert_eq!(m.meta().get("i"), Some(n.to_string().as_str()));
+                let b = m.body().as_bytes().unwrap();
+                assert_eq!(b.len(), 96 << 10);
+                assert!(b.iter().all(|&x| x == (n % 251) as u8), "body of {n}");
+                n += 1;
+            }
+            n
+        })
+        .await
+    });
+    assert_eq!(
+        sender.join().unwrap(),
+        Ok(N),
+        "the sender never waits for room forever"
+    );
+    assert_eq!(received, Ok(N), "every message arrives");
+}

@@ -800,6 +800,19 @@ impl ShmReceiver {
                 d.body_len, self.limits.max_body
             )));
         }
+        // An external body whose memfd has not come through the socket yet: wait before
+        // anything is taken or released, so that decoding the descriptor again later (when
+        // the memfd is there) does not release its head block a second time.
+        if d.place & Desc::BODY_EXTERNAL != 0
+            && self
+                .sh
+                .external
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty()
+        {
+            return Ok(Step::WaitExternal);
+        }
         let arena_len = self.refs.len();
         // The head, copied out of shared memory before it is validated.
         let head_len = type_len + meta_len;
@@ -874,7 +887,7 @@ impl ShmReceiver {
                     .unwrap_or_else(|p| p.into_inner())
                     .pop_front();
                 let Some(fd) = fd else {
-                    return Ok(Step::WaitExternal);
+                    return Err(corrupt("external body vanished from the queue"));
                 };
                 self.external_next += 1;
                 self.open_external(fd, d.body_len)?
