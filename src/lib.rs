@@ -141,8 +141,9 @@ pub use url::Endpoint;
 pub mod bench_support {
     use std::sync::Arc;
 
+    use crate::transport::shm::desc::Desc;
     use crate::transport::shm::ring::heap::HeapRing;
-    use crate::transport::shm::ring::{Consumer, Desc, Producer};
+    use crate::transport::shm::ring::{Consumer, Producer};
 
     /// The producing end.
     pub struct RingProducer(Producer<Arc<HeapRing>>);

@@ -1,7 +1,8 @@
 //! The concurrency seam: every atomic and `UnsafeCell` of the lock-free structures goes
 //! through here, so that the same algorithms run against loom's model checker with
 //! `RUSTFLAGS="--cfg hyperframes_loom"` (as tokio's `src/loom` does). Under loom the
-//! structures live on the heap instead of in shared memory.
+//! structures live on the heap instead of in shared memory. (`UnsafeCell` is loom's, for the
+//! models' own payload cells; shared memory is only ever accessed through atomics.)
 
 #[cfg(hyperframes_loom)]
 pub(crate) mod sync {
@@ -17,29 +18,6 @@ pub(crate) mod sync {
 #[cfg(not(hyperframes_loom))]
 pub(crate) mod sync {
     pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
-
-    /// `std::cell::UnsafeCell` with loom's closure API. `repr(transparent)`: it has `T`'s
-    /// layout, so it can sit in a `#[repr(C)]` shared-memory structure.
-    #[repr(transparent)]
-    #[derive(Debug, Default)]
-    pub(crate) struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
-
-    impl<T> UnsafeCell<T> {
-        pub(crate) const fn new(v: T) -> UnsafeCell<T> {
-            UnsafeCell(std::cell::UnsafeCell::new(v))
-        }
-
-        /// Reads through a shared pointer. The caller upholds the aliasing rules, as with
-        /// `std::cell::UnsafeCell::get`.
-        pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
-            f(self.0.get())
-        }
-
-        /// Writes through a mutable pointer. The caller upholds the aliasing rules.
-        pub(crate) fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
-            f(self.0.get())
-        }
-    }
 
     pub(crate) fn spin_hint() {
         std::hint::spin_loop();

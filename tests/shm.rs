@@ -268,13 +268,13 @@ fn rustix_uid() -> u32 {
     uid
 }
 
-/// A fake listener hands us a segment with a corrupted header, then an unsealed one: the
-/// connector refuses both with a clear error.
+/// A fake listener hands us a segment with a corrupted header, then an unsealed one, then
+/// a memfd where a wake socket belongs: the connector refuses each with a clear error.
 #[tokio::test]
 async fn corrupted_or_unsealed_segments_are_rejected() {
     use std::io::Write;
     use std::os::fd::AsFd;
-    for case in ["magic", "unsealed"] {
+    for case in ["magic", "unsealed", "wake"] {
         let dir = std::env::temp_dir().join(format!("hf-shm-bad-{case}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("bad.sock");
@@ -285,12 +285,17 @@ async fn corrupted_or_unsealed_segments_are_rejected() {
             let memfd = memfd(case == "unsealed");
             let mut hello = [0u8; 64];
             hello[..8].copy_from_slice(b"HFSHMHEL");
-            hello[8] = 1;
+            hello[8] = 2;
             hello[16..24].copy_from_slice(&(1u64 << 20).to_le_bytes());
             hello[24..28].copy_from_slice(&4096u32.to_le_bytes());
             hello[28..30].copy_from_slice(&32u16.to_le_bytes());
-            let efd = memfd.as_fd();
-            send_fds(&s, &hello, &[efd, efd, efd, efd, efd]);
+            let (wake, _theirs) = wake_pair();
+            let space = if case == "wake" {
+                memfd.as_fd()
+            } else {
+                wake.as_fd()
+            };
+            send_fds(&s, &hello, &[memfd.as_fd(), wake.as_fd(), space]);
             let _ = s.flush();
             std::thread::sleep(Duration::from_millis(500));
         });
@@ -300,11 +305,27 @@ async fn corrupted_or_unsealed_segments_are_rejected() {
             .unwrap()
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Protocol, "{case}: {e}");
-        let want = if case == "magic" { "magic" } else { "sealed" };
+        let want = match case {
+            "magic" => "magic",
+            "unsealed" => "sealed",
+            _ => "wake descriptor is not a socket",
+        };
         assert!(e.to_string().contains(want), "{case}: {e}");
         fake.join().unwrap();
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// A connected pair of Unix `SOCK_SEQPACKET` sockets, as the listener passes for wake-ups.
+fn wake_pair() -> (std::os::fd::OwnedFd, std::os::fd::OwnedFd) {
+    use rustix::net::{AddressFamily, SocketFlags, SocketType};
+    rustix::net::socketpair(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .unwrap()
 }
 
 /// A memfd that looks like a segment but has a wrong magic, or is not sealed.
@@ -443,4 +464,138 @@ fn long_metadata_with_bodies_larger_than_the_arena() {
         "the sender never waits for room forever"
     );
     assert_eq!(received, Ok(N), "every message arrives");
+}
+
+/// One process, both ends: a listener context and the connected pair.
+async fn pair(ctx: &Context, tag: &str) -> (hyperframes::Channel, hyperframes::Channel) {
+    let url = url(tag);
+    let mut l = ctx.bind(&url).await.unwrap();
+    let (a, b) = tokio::join!(ctx.connect(&url), l.accept());
+    (a.unwrap(), b.unwrap())
+}
+
+/// Fails with the first difference (not two long lists).
+fn same_sequence(got: &[u64], want: &[u64], what: &str) {
+    if let Some(k) = (0..got.len().min(want.len())).find(|&k| got[k] != want[k]) {
+        panic!(
+            "{what}: at position {k} got {} where {} was expected ({} received, {} expected)",
+            got[k],
+            want[k],
+            got.len(),
+            want.len()
+        );
+    }
+    assert_eq!(got.len(), want.len(), "{what}: counts differ");
+}
+
+fn numbered(i: u64, size: usize) -> Message {
+    Message::new("cancel.test")
+        .unwrap()
+        .with_meta("i", &i.to_string())
+        .unwrap()
+        .with_body(vec![(i % 251) as u8; size])
+}
+
+/// Regression (cancelled send): a `send` cancelled while it waits for arena room sent
+/// nothing — the message neither arrives later nor twice after a retry — and one that
+/// completed arrived exactly once. Sends are cancelled at random points while the receiver
+/// reads at random speeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_send_sent_nothing() {
+    let ctx = Context::builder()
+        .shm_segment(64, 64 << 10)
+        .build()
+        .unwrap();
+    let (a, b) = pair(&ctx, "cancel").await;
+    let (mut tx, _ra) = a.split();
+    let (_tb, mut rx) = b.split();
+    const N: u64 = 3000;
+    let sender = tokio::spawn(async move {
+        let mut completed = Vec::new();
+        let mut cancelled = 0u64;
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for i in 0..N {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let size = 2000 + (x % 14_000) as usize;
+            let wait = Duration::from_micros(x % 300);
+            match timeout(wait, tx.send(numbered(i, size))).await {
+                Ok(r) => {
+                    r.unwrap();
+                    completed.push(i);
+                }
+                Err(_) => cancelled += 1,
+            }
+        }
+        tx.close().await.unwrap();
+        (completed, cancelled)
+    });
+    let mut got = Vec::new();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    while let Some(m) = timeout(GUARD, rx.recv()).await.unwrap() {
+        let m = m.unwrap();
+        let i: u64 = m.meta().get("i").unwrap().parse().unwrap();
+        assert!(
+            m.body()
+                .as_bytes()
+                .unwrap()
+                .iter()
+                .all(|&b| b == (i % 251) as u8),
+            "body of {i}"
+        );
+        got.push(i);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        if x.is_multiple_of(7) {
+            tokio::time::sleep(Duration::from_micros(x % 500)).await;
+        }
+    }
+    let (completed, cancelled) = sender.await.unwrap();
+    assert!(
+        cancelled > 100,
+        "the test cancels sends ({cancelled} of {N})"
+    );
+    same_sequence(
+        &got,
+        &completed,
+        "exactly the completed sends arrive, once, in order",
+    );
+}
+
+/// Regression (drop): a message accepted by `feed` when the arena had no room (staged in the
+/// sender) is delivered after the `Sender` is dropped — drop is a close that finishes in the
+/// background — and the stream then ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_sender_delivers_what_it_staged() {
+    use futures_util::SinkExt;
+    let ctx = Context::builder()
+        .shm_segment(64, 64 << 10)
+        .build()
+        .unwrap();
+    let (a, b) = pair(&ctx, "lingerdrop").await;
+    let (mut tx, _ra) = a.split();
+    let (_tb, mut rx) = b.split();
+    // Feed (accept without flushing) until the arena is full: the last message accepted is
+    // staged in the sender, and the next feed waits for room (and is cancelled: it took
+    // nothing).
+    let mut i = 0;
+    while timeout(Duration::from_millis(200), tx.feed(numbered(i, 8000)))
+        .await
+        .is_ok()
+    {
+        i += 1;
+    }
+    drop(tx);
+    let mut got = Vec::new();
+    while let Some(m) = timeout(GUARD, rx.recv()).await.unwrap() {
+        got.push(m.unwrap().meta().get("i").unwrap().parse::<u64>().unwrap());
+    }
+    assert!(i > 5, "the arena took a few before it filled ({i})");
+    same_sequence(
+        &got,
+        &(0..i).collect::<Vec<_>>(),
+        "every message accepted arrives",
+    );
 }

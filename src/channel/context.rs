@@ -214,9 +214,25 @@ impl ContextBuilder {
     }
 
     /// Accept `shm://` peers running as any user. Default: only this process's own user
-    /// (checked with `SO_PEERCRED`).
+    /// (checked with `SO_PEERCRED`). With it, the socket of `shm:///path.sock` is made
+    /// connectable by every user (mode 0666; put it in a directory they can reach), and
+    /// bodies are copied on receive unless [`shm_zero_copy`](Self::shm_zero_copy) says
+    /// otherwise.
     pub fn shm_allow_any_user(mut self, allow: bool) -> Self {
         self.cfg.shm_any_uid = allow;
+        self
+    }
+
+    /// Whether `shm://` bodies are zero-copy views of the shared memory: received bodies read
+    /// straight from the peer's arena and [`Sender::alloc`](crate::Sender::alloc) lends
+    /// blocks of ours. That is only sound if the peer never writes a block it handed over or
+    /// does not own, so it is for a trusted peer: by default, a peer running as this user
+    /// (which could write this process's memory anyway), not one admitted with
+    /// [`shm_allow_any_user`](Self::shm_allow_any_user). Off: received bodies are copied out
+    /// of the arena and `alloc` lends heap memory (one copy each way). Bodies larger than the
+    /// arena are sealed memfds, immutable, and never copied on receive.
+    pub fn shm_zero_copy(mut self, on: bool) -> Self {
+        self.cfg.shm_zero_copy = Some(on);
         self
     }
 

@@ -222,7 +222,15 @@ impl Sender {
     pub async fn send(&mut self, msg: Message) -> Result<()> {
         poll_fn(|cx| self.poll_ready_inner(cx)).await?;
         self.start_send_inner(msg)?;
-        poll_fn(|cx| self.half.poll_submit(cx)).await
+        // Accepted; if this future is dropped before the transport has taken the message (a
+        // shared-memory arena without room yet), take it back: a cancelled send sent nothing.
+        let mut submit = Unstage {
+            half: &mut *self.half,
+            armed: true,
+        };
+        let r = poll_fn(|cx| submit.half.poll_submit(cx)).await;
+        submit.armed = false;
+        r
     }
 
     /// Memory for a body of `len` bytes, to fill in place and send without a copy: a block of
@@ -324,6 +332,20 @@ impl Sender {
             Ok(Channel { tx: self, rx })
         } else {
             Err(ReuniteError(self, rx))
+        }
+    }
+}
+
+/// Takes back, on drop, a message a transport accepted but has not taken yet.
+struct Unstage<'a> {
+    half: &'a mut dyn SendHalf,
+    armed: bool,
+}
+
+impl Drop for Unstage<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            drop(self.half.unstage());
         }
     }
 }

@@ -96,6 +96,8 @@ pub(crate) struct Config {
     pub(crate) shm_ring_entries: u32,
     pub(crate) shm_arena_bytes: u64,
     pub(crate) shm_any_uid: bool,
+    /// Zero-copy views of shared memory; `None`: for same-user peers only.
+    pub(crate) shm_zero_copy: Option<bool>,
     pub(crate) rdma_recv_slots: u32,
     pub(crate) rdma_slot_size: u32,
     pub(crate) rdma_pool_bytes: u64,
@@ -122,6 +124,7 @@ impl Default for Config {
             shm_ring_entries: 4096,
             shm_arena_bytes: 32 << 20,
             shm_any_uid: false,
+            shm_zero_copy: None,
             rdma_recv_slots: 64,
             rdma_slot_size: 8192 + 512,
             rdma_pool_bytes: 256 << 20,

@@ -4,18 +4,21 @@
 //!
 //! A block is a 64-byte header (its reference count, alone on its cache line) and the payload,
 //! rounded up to 64 bytes. Only the producer allocates and reclaims, keeping the list of live
-//! blocks in its own memory (nothing it relies on for allocation lives in shared memory, so a
-//! misbehaving consumer can at worst hold blocks or release them early — which only corrupts
-//! what that consumer reads). The references are the consumer's lease on a received body, and
-//! the sender's own while it still holds a body it allocated in place. A block whose count
-//! reaches zero is free; the producer reclaims free blocks from the oldest on, so a body held
-//! for long delays reuse of everything after it — the sender then waits for room, which is
-//! the backpressure a receiver holding many bodies must exert.
+//! blocks in its own memory. The shared count is the consumer's: one reference per descriptor
+//! that points at the block, dropped when the receiver is done with it. The producer's own
+//! references — a block it lent out with `Sender::alloc` and that the application still holds
+//! — are [`Hold`]s in process memory, which the peer cannot reach: a block is reused only when
+//! its hold is released **and** its shared count is zero. So a misbehaving consumer can hold
+//! blocks (the sender waits, which is backpressure) or release them early (which corrupts only
+//! what that consumer reads), but it can never make the producer hand out a block that is
+//! still in use on its side. The producer reclaims free blocks from the oldest on, so a body
+//! held for long delays reuse of everything after it.
 //!
-//! When a block does not fit before the end of the arena, the rest of the arena is skipped
-//! and the block starts again at offset 0.
+//! When a block does not fit before the end of the arena, the rest of the arena is skipped and
+//! the block starts again at offset 0; when the arena is empty, allocation starts over at 0.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use crate::loom::sync::{AtomicU32, Ordering};
 
@@ -44,9 +47,27 @@ pub(crate) fn release(refs: &impl BlockRefs, offset: u64) -> bool {
     refs.refs(offset).fetch_sub(1, Ordering::Release) == 1
 }
 
-/// Adds one reference to the block at `offset` (the sender keeps its own while sending it).
+/// Adds one reference to the block at `offset` (a descriptor that points at a block the
+/// producer holds).
 pub(crate) fn retain(refs: &impl BlockRefs, offset: u64) {
     refs.refs(offset).fetch_add(1, Ordering::Relaxed);
+}
+
+/// The producer's own reference to a block it lent out, in process memory.
+#[derive(Debug)]
+pub(crate) struct Hold(AtomicU32);
+
+impl Hold {
+    /// Lets the producer reuse the block (once the consumer is done with it too).
+    pub(crate) fn release(&self) {
+        // SYNC POINT with the `held` load in `ArenaProducer::reclaim`: what the holder wrote
+        // or read happens before the block is reused.
+        self.0.store(0, Ordering::Release);
+    }
+
+    fn held(&self) -> bool {
+        self.0.load(Ordering::Acquire) != 0
+    }
 }
 
 /// Checks that a block announced by the peer lies inside the arena: `offset` aligned and the
@@ -56,13 +77,15 @@ pub(crate) fn validate(len: u64, offset: u64, payload: u64) -> Option<u64> {
     (offset.is_multiple_of(BLOCK_ALIGN) && end <= len).then_some(offset + BLOCK_ALIGN)
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 struct Live {
     /// Position (monotonic, not wrapped) of the block's start.
     start: u64,
     len: u64,
     /// Skipped space at the end of the arena: no header, free at once.
     skip: bool,
+    /// The producer's own hold, for a block lent out with `alloc_held`.
+    hold: Option<Arc<Hold>>,
 }
 
 /// The producer's allocator state.
@@ -104,9 +127,32 @@ impl ArenaProducer {
         (self.alloc + skip + need - self.reclaimed <= self.len).then_some(skip)
     }
 
-    /// Allocates a block for `payload` bytes with `count` initial references; returns its
-    /// offset, or `None` when there is no room even after reclaiming.
+    /// Allocates a block for `payload` bytes whose shared count starts at `count` (the
+    /// consumer's references); returns its offset, or `None` when there is no room even after
+    /// reclaiming.
     pub(crate) fn alloc(&mut self, refs: &impl BlockRefs, payload: u64, count: u32) -> Option<u64> {
+        self.place(refs, payload, count, None)
+    }
+
+    /// Allocates a block for `payload` bytes that the producer holds (shared count zero): it
+    /// is not reused before the returned [`Hold`] is released.
+    pub(crate) fn alloc_held(
+        &mut self,
+        refs: &impl BlockRefs,
+        payload: u64,
+    ) -> Option<(u64, Arc<Hold>)> {
+        let hold = Arc::new(Hold(AtomicU32::new(1)));
+        let at = self.place(refs, payload, 0, Some(hold.clone()))?;
+        Some((at, hold))
+    }
+
+    fn place(
+        &mut self,
+        refs: &impl BlockRefs,
+        payload: u64,
+        count: u32,
+        hold: Option<Arc<Hold>>,
+    ) -> Option<u64> {
         let need = block_len(payload);
         if need > self.len {
             return None;
@@ -118,6 +164,7 @@ impl ArenaProducer {
                         start: self.alloc,
                         len: skip,
                         skip: true,
+                        hold: None,
                     });
                     self.alloc += skip;
                 }
@@ -129,6 +176,7 @@ impl ArenaProducer {
                     start: self.alloc,
                     len: need,
                     skip: false,
+                    hold,
                 });
                 self.alloc += need;
                 return Some(offset);
@@ -159,8 +207,11 @@ impl ArenaProducer {
     pub(crate) fn reclaim(&mut self, refs: &impl BlockRefs) -> bool {
         let before = self.reclaimed;
         while let Some(b) = self.live.front() {
-            // SYNC POINT with the `fetch_sub` in `release`.
-            if !b.skip && refs.refs(b.start % self.len).load(Ordering::Acquire) != 0 {
+            // SYNC POINT with the `fetch_sub` in `release` and the store in `Hold::release`.
+            if !b.skip
+                && (b.hold.as_ref().is_some_and(|h| h.held())
+                    || refs.refs(b.start % self.len).load(Ordering::Acquire) != 0)
+            {
                 break;
             }
             self.reclaimed = b.start + b.len;
@@ -254,17 +305,40 @@ mod tests {
     }
 
     #[test]
-    fn shared_references() {
+    fn held_blocks_wait_for_the_hold_and_the_consumer() {
         let refs = HeapRefs::new(512);
         let mut a = ArenaProducer::new(512);
-        let b = a.alloc(&refs, 64, 1).unwrap();
-        retain(&refs, b); // the receiver's
-        assert!(!release(&refs, b)); // the sender drops its own first
+        let (b, hold) = a.alloc_held(&refs, 64).unwrap();
+        retain(&refs, b); // a descriptor points at it
         // 64 + 448 bytes do not fit beside the held 128-byte block...
         assert!(a.alloc(&refs, 400, 1).is_none());
+        hold.release();
+        assert!(
+            a.alloc(&refs, 400, 1).is_none(),
+            "the consumer still reads it"
+        );
         assert!(release(&refs, b));
-        // ...and do once the receiver let go of it.
+        // ...and do once both let go of it.
         assert_eq!(a.alloc(&refs, 400, 1), Some(0));
+    }
+
+    /// A peer that zeroes (or wraps) the shared count of a block the producer still holds
+    /// cannot make the producer hand the block out again.
+    #[test]
+    fn a_peer_cannot_free_a_held_block() {
+        let refs = HeapRefs::new(4096);
+        let mut a = ArenaProducer::new(4096);
+        let (held, hold) = a.alloc_held(&refs, 2000).unwrap();
+        for forged in [0, u32::MAX] {
+            refs.refs(held).store(forged, Ordering::Relaxed);
+            assert!(
+                a.alloc(&refs, 2500, 1).is_none(),
+                "count forged to {forged}"
+            );
+        }
+        refs.refs(held).store(0, Ordering::Relaxed);
+        hold.release();
+        assert_eq!(a.alloc(&refs, 2500, 1), Some(0));
     }
 
     #[test]
@@ -336,6 +410,35 @@ mod loom_models {
                 }
             }
             consumer.join().unwrap();
+        });
+    }
+
+    /// A block lent out with `alloc_held` is reused only after its hold is released by the
+    /// thread that holds it, and that thread's writes happen before the reuse.
+    #[test]
+    fn hold_release_happens_before_reuse() {
+        loom::model(|| {
+            const LEN: u64 = 2 * BLOCK_ALIGN; // room for one block of 64 bytes
+            let refs = HeapRefs::new(LEN);
+            let payload = Arc::new(UnsafeCell::new(0u64));
+            let mut a = ArenaProducer::new(LEN);
+            let (first, hold) = a.alloc_held(&refs, 64).unwrap();
+            let p2 = payload.clone();
+            let holder = loom::thread::spawn(move || {
+                // SAFETY: the block is held for this thread until it releases the hold.
+                p2.with_mut(|p| unsafe { *p = 7 });
+                hold.release();
+            });
+            let again = loop {
+                if let Some(o) = a.alloc(&refs, 64, 1) {
+                    break o;
+                }
+                loom::thread::yield_now();
+            };
+            assert_eq!(again, first);
+            // SAFETY: reused only after the holder released it (what loom checks).
+            payload.with_mut(|p| unsafe { *p = 8 });
+            holder.join().unwrap();
         });
     }
 }

@@ -4,31 +4,44 @@
 //! bodies allocated in place), no system call per message under load.
 //!
 //! Waiting: a side that finds no data (Receiver) or no room (Sender) spins briefly, then
-//! announces it sleeps and parks on an eventfd through tokio's `AsyncFd`; the other side
-//! writes that eventfd only when the flag is up. `busy_poll` never parks. A watcher task
-//! reads the rendezvous socket: memfds of external bodies arrive there, and its EOF means the
-//! peer process is gone; it then wakes both halves through their own eventfds.
+//! announces it sleeps and parks on its end of a wake socket pair through tokio's `AsyncFd`;
+//! the other side sends a byte there only when the flag is up. `busy_poll` never parks. Wakes
+//! from this process (a lease released, the peer gone, an external body arrived) go through
+//! `AtomicWaker`s. A watcher task reads the rendezvous socket: memfds of external bodies
+//! arrive there (checked and mapped on arrival, at most [`MAX_EXTERNAL`] at a time), and its
+//! EOF means the peer process is gone.
+//!
+//! What the peer can do to us: write any byte of the segment at any time, and send anything
+//! on the sockets. Every descriptor is copied out with atomic loads and checked
+//! (`desc::check`) before anything is read through it; heads are copied out with atomic loads
+//! before they are parsed; our allocator keeps its own references in process memory
+//! (`arena::Hold`); our wake-ups cannot block (`MSG_DONTWAIT` on our own end of the socket
+//! pairs). Bodies are zero-copy views of the arena only when `zero_copy` (the peer is trusted
+//! not to write blocks it handed over); otherwise they are copied out on receive and
+//! `Sender::alloc` lends heap memory.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
-use std::sync::Mutex;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::task::AtomicWaker;
 use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::net::{RecvFlags, SendFlags};
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::net::UnixStream;
 
-use super::arena::{self, ArenaProducer, BlockRefs};
-use super::rendezvous::{self, EXT_LEN, EXT_MAGIC};
-use super::ring::{self, Desc, RingStore};
+use super::arena::{self, ArenaProducer, BlockRefs, Hold};
+use super::desc::{self, BodyPlace, Bounds, Desc, HeadPlace, Layout, Part};
+use super::rendezvous::{self, ExtRecord};
+use super::ring::{self, RingStore};
 use super::segment::{Mapping, Segment, ShmArena, ShmRing};
 use crate::error::Result;
-use crate::message::{Body, BodyMut, Flags, Header, LeaseTag, LentMut, Meta};
+use crate::message::{Body, BodyMut, Header, LeaseTag, LentMut};
 use crate::transport::{RecvHalf, SendHalf};
 use crate::wire::{Limits, TypeCache};
 use crate::{Error, ErrorKind, Message};
@@ -43,7 +56,14 @@ const PUBLISH_EVERY: u64 = 64;
 /// How long a side waiting for data or room spins before it parks: long enough to catch a
 /// reply in a request/response exchange (a round trip is a microsecond or two) without
 /// sleeping, short enough not to burn a core on an idle channel.
-const SPIN: std::time::Duration = std::time::Duration::from_micros(20);
+const SPIN: Duration = Duration::from_micros(20);
+/// External bodies (memfds) in flight per direction: sent and not yet released by the
+/// receiver. The receiver fails a peer that sends more.
+pub(crate) const MAX_EXTERNAL: u64 = 8;
+/// Wake-up messages drained per wake (a flooding peer cannot keep us draining).
+const WAKE_DRAIN: usize = 16;
+/// Lease tags of shm arenas carry this bit, so they never match another transport's.
+const REGION_SHM: u64 = 1 << 63;
 
 /// Spins until `ready` or [`SPIN`] has passed; true when ready.
 fn spin_until(mut ready: impl FnMut() -> Result<bool>) -> Result<bool> {
@@ -60,99 +80,98 @@ fn spin_until(mut ready: impl FnMut() -> Result<bool>) -> Result<bool> {
         }
     }
 }
-/// External bodies (memfds) in flight per direction.
-const MAX_EXTERNAL: u64 = 8;
 
 /// What both halves (and the leases they hand out) share.
 pub(crate) struct Shared {
     seg: Arc<Segment>,
     out_dir: usize,
     in_dir: usize,
-    /// Ours, parked on by our Receiver; written by the peer's Sender (and our watcher).
-    in_data: AsyncFd<OwnedFd>,
-    /// Ours, parked on by our Sender; written by the peer's Receiver, our leases, our watcher.
-    out_space: AsyncFd<OwnedFd>,
-    /// The peer's: wakes its Receiver.
-    out_data: OwnedFd,
-    /// The peer's: wakes its Sender.
-    in_space: OwnedFd,
+    /// Our end of the data pair: our Receiver parks on it; our Sender wakes the peer's
+    /// Receiver through it.
+    data: AsyncFd<OwnedFd>,
+    /// Our end of the space pair: our Sender parks on it; our Receiver (and its leases) wake
+    /// the peer's Sender through it.
+    space: AsyncFd<OwnedFd>,
+    /// Wakes our Receiver from this process.
+    rx_waker: AtomicWaker,
+    /// Wakes our Sender from this process.
+    tx_waker: AtomicWaker,
     uds: UnixStream,
     peer_gone: AtomicBool,
-    external: Mutex<VecDeque<OwnedFd>>,
-    external_waker: AtomicWaker,
+    /// Set when this side failed the connection for a protocol violation.
+    fault: OnceLock<String>,
+    external: Mutex<ExternalIn>,
     halves: AtomicU32,
     done: tokio::sync::Notify,
     busy_poll: bool,
+    zero_copy: bool,
+    max_body: u64,
     peer: String,
 }
 
-/// The four eventfds of a connection, as passed in the hello (`[d0 data, d0 space, d1 data,
-/// d1 space]`).
-pub(crate) struct Eventfds(pub(crate) [OwnedFd; 4]);
-
-impl Eventfds {
-    pub(crate) fn new() -> Result<Eventfds> {
-        let one = || {
-            rustix::event::eventfd(
-                0,
-                rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
-            )
-            .map_err(|e| Error::io("creating an eventfd", e.into()))
-        };
-        Ok(Eventfds([one()?, one()?, one()?, one()?]))
-    }
+/// External bodies received: mapped, waiting for their descriptors.
+#[derive(Default)]
+struct ExternalIn {
+    queue: VecDeque<(u64, Mapping)>,
+    /// The sequence number the next one must carry.
+    next_seq: u64,
+    /// Received and not yet released (queued or held by the application).
+    outstanding: u64,
 }
 
-fn signal(fd: BorrowedFd<'_>) {
-    // Only EAGAIN (counter at its maximum, a wake-up pending anyway) can fail here.
-    let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
+/// How a connection's shared state is set up.
+pub(crate) struct Setup {
+    pub(crate) seg: Arc<Segment>,
+    /// 0 for the listener.
+    pub(crate) out_dir: usize,
+    /// Our ends of the data and space wake pairs.
+    pub(crate) data: OwnedFd,
+    pub(crate) space: OwnedFd,
+    pub(crate) uds: UnixStream,
+    pub(crate) busy_poll: bool,
+    pub(crate) zero_copy: bool,
+    pub(crate) limits: Limits,
+    pub(crate) peer: String,
 }
 
-fn drain(fd: BorrowedFd<'_>) {
-    let mut b = [0u8; 8];
-    let _ = rustix::io::read(fd, &mut b);
+/// Wakes the peer through our end of a wake pair: never blocks. A full queue means a wake-up
+/// is pending anyway; a closed peer is the watcher's to report.
+fn wake(fd: &AsyncFd<OwnedFd>) {
+    let _ = rustix::net::send(
+        fd.get_ref(),
+        &[1],
+        SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
+    );
 }
 
 impl Shared {
-    /// Builds the halves' shared state; `out_dir` is 0 for the listener. Registers the
-    /// eventfds with the current tokio runtime and starts the watcher on it.
-    pub(crate) fn start(
-        seg: Arc<Segment>,
-        out_dir: usize,
-        efds: Eventfds,
-        uds: UnixStream,
-        busy_poll: bool,
-        peer: String,
-    ) -> Result<Arc<Shared>> {
-        let [d0_data, d0_space, d1_data, d1_space] = efds.0;
-        let in_dir = 1 - out_dir;
-        let (out_data, out_space, in_data, in_space) = if out_dir == 0 {
-            (d0_data, d0_space, d1_data, d1_space)
-        } else {
-            (d1_data, d1_space, d0_data, d0_space)
-        };
+    /// Builds the halves' shared state. Registers the wake sockets with the current tokio
+    /// runtime and starts the watcher on it.
+    pub(crate) fn start(s: Setup) -> Result<Arc<Shared>> {
         let register = |fd: OwnedFd| {
             // SAFETY: an `OwnedFd` is a valid open descriptor that it never replaces, and it
             // stays inside the `AsyncFd` (never taken out) until the `AsyncFd` drops.
             unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
-                .map_err(|e| Error::io("registering an eventfd", e.into()))
+                .map_err(|e| Error::io("registering a wake socket", e.into()))
         };
         let sh = Arc::new(Shared {
-            seg,
-            out_dir,
-            in_dir,
-            in_data: register(in_data)?,
-            out_space: register(out_space)?,
-            out_data,
-            in_space,
-            uds,
+            out_dir: s.out_dir,
+            in_dir: 1 - s.out_dir,
+            seg: s.seg,
+            data: register(s.data)?,
+            space: register(s.space)?,
+            rx_waker: AtomicWaker::new(),
+            tx_waker: AtomicWaker::new(),
+            uds: s.uds,
             peer_gone: AtomicBool::new(false),
-            external: Mutex::new(VecDeque::new()),
-            external_waker: AtomicWaker::new(),
+            fault: OnceLock::new(),
+            external: Mutex::new(ExternalIn::default()),
             halves: AtomicU32::new(2),
             done: tokio::sync::Notify::new(),
-            busy_poll,
-            peer,
+            busy_poll: s.busy_poll,
+            zero_copy: s.zero_copy,
+            max_body: s.limits.max_body,
+            peer: s.peer,
         });
         tokio::spawn(watch(sh.clone()));
         Ok(sh)
@@ -170,31 +189,96 @@ impl Shared {
         self.peer_gone.load(Ordering::Acquire)
     }
 
-    /// One half is dropped; the watcher stops with the last.
-    fn half_dropped(&self) {
-        if self.halves.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.done.notify_one();
+    /// The peer is gone (or failed): both halves are woken to report it.
+    fn mark_gone(&self) {
+        self.peer_gone.store(true, Ordering::Release);
+        self.rx_waker.wake();
+        self.tx_waker.wake();
+    }
+
+    /// Fails the connection for a protocol violation: the peer sees our end of the socket
+    /// close, our halves report `why`.
+    fn fail(&self, why: String) {
+        tracing::warn!(peer = %self.peer, "closing shared-memory channel: {why}");
+        let _ = self.fault.set(why);
+        let _ = rustix::net::shutdown(&self.uds, rustix::net::Shutdown::Both);
+        self.mark_gone();
+    }
+
+    /// The error a half reports once the peer is gone.
+    fn gone_error(&self, what: &str) -> Error {
+        match self.fault.get() {
+            Some(why) => corrupt(why),
+            None => Error::new(
+                ErrorKind::ConnectionLost,
+                format!(
+                    "the shared-memory peer {} {what} (did it exit or crash?)",
+                    self.peer
+                ),
+            ),
         }
     }
 
-    /// Our Sender may wait for room: wake it if it said it sleeps.
-    fn wake_own_sender(&self) {
-        if ring::wake_needed(&self.out_ring().control().producer_sleeping) {
-            signal(self.out_space.get_ref().as_fd());
-        }
+    fn lock_external(&self) -> std::sync::MutexGuard<'_, ExternalIn> {
+        self.external.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The peer's Sender may wait for room in our incoming direction.
     fn wake_peer_sender(&self) {
         if ring::wake_needed(&self.in_ring().control().producer_sleeping) {
-            signal(self.in_space.as_fd());
+            wake(&self.space);
         }
+    }
+
+    /// Checks and maps an external body announced on the socket.
+    fn accept_external(&self, record: &[u8; ExtRecord::LEN], fd: Option<OwnedFd>) -> Result<()> {
+        let rec = ExtRecord::decode(record)
+            .ok_or_else(|| corrupt("malformed record on the rendezvous socket"))?;
+        let fd = fd.ok_or_else(|| corrupt("an external-body record without its memfd"))?;
+        let mut ext = self.lock_external();
+        if ext.outstanding >= MAX_EXTERNAL {
+            return Err(corrupt(format!(
+                "more than {MAX_EXTERNAL} external bodies in flight"
+            )));
+        }
+        if rec.seq != ext.next_seq {
+            return Err(corrupt(format!(
+                "external body {} where {} was expected",
+                rec.seq, ext.next_seq
+            )));
+        }
+        if rec.len == 0 || rec.len > self.max_body {
+            return Err(corrupt(format!(
+                "external body of {} bytes (max_body {})",
+                rec.len, self.max_body
+            )));
+        }
+        let seals = rustix::fs::fcntl_get_seals(&fd)
+            .map_err(|_| corrupt("external body is not a memfd"))?;
+        if !seals.contains(SealFlags::SHRINK | SealFlags::GROW | SealFlags::WRITE) {
+            return Err(corrupt("external body memfd is not sealed"));
+        }
+        let size = rustix::fs::fstat(&fd)
+            .map_err(|e| Error::io("inspecting an external body", e.into()))?
+            .st_size as u64;
+        if size != rec.len {
+            return Err(corrupt(format!(
+                "external body is {size} bytes, announced {}",
+                rec.len
+            )));
+        }
+        let map = Mapping::new(&fd, rec.len, false)
+            .map_err(|e| Error::io("mapping an external body", e))?;
+        ext.queue.push_back((rec.seq, map));
+        ext.next_seq += 1;
+        ext.outstanding += 1;
+        Ok(())
     }
 }
 
 /// Reads the rendezvous socket: external bodies' memfds, and EOF (the peer process is gone).
 async fn watch(sh: Arc<Shared>) {
-    let mut record = [0u8; EXT_LEN];
+    let mut record = [0u8; ExtRecord::LEN];
     let mut got = 0;
     let mut fds = Vec::new();
     loop {
@@ -202,47 +286,59 @@ async fn watch(sh: Arc<Shared>) {
             () = sh.done.notified() => return,
             r = sh.uds.readable() => if r.is_err() { break },
         }
+        // At most one descriptor per record: the kernel closes any more that come along.
+        let room = usize::from(fds.is_empty());
         let res = sh.uds.try_io(Interest::READABLE, || {
-            rendezvous::recv_once(sh.uds.as_fd(), &mut record[got..], &mut fds).map_err(Into::into)
+            rendezvous::recv_once(sh.uds.as_fd(), &mut record[got..], &mut fds, room)
+                .map_err(Into::into)
         });
         match res {
             Ok(0) => break,
             Ok(n) => {
                 got += n;
-                if got == EXT_LEN {
+                if got == ExtRecord::LEN {
                     got = 0;
-                    if record[..8] != EXT_MAGIC || fds.len() != 1 {
-                        tracing::warn!(peer = %sh.peer, "malformed record on the shm socket; closing");
-                        break;
+                    if let Err(e) = sh.accept_external(&record, fds.pop()) {
+                        sh.fail(e.to_string());
+                        return;
                     }
-                    sh.external
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .push_back(fds.remove(0));
-                    sh.external_waker.wake();
+                    sh.rx_waker.wake();
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(_) => break,
         }
     }
-    sh.peer_gone.store(true, Ordering::Release);
-    signal(sh.in_data.get_ref().as_fd());
-    signal(sh.out_space.get_ref().as_fd());
-    sh.external_waker.wake();
+    sh.mark_gone();
 }
 
-/// Waits on one of our eventfds: Ready once it was written (and is drained).
-fn poll_eventfd(fd: &AsyncFd<OwnedFd>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+/// Waits for a wake-up on one of our wake sockets: Ready once one came (drained). A closed
+/// peer end means the peer is gone.
+fn poll_wake(sh: &Shared, fd: &AsyncFd<OwnedFd>, cx: &mut Context<'_>) -> Poll<Result<()>> {
     match fd.poll_read_ready(cx) {
         Poll::Ready(Ok(mut guard)) => {
-            // Edge-triggered: drain the counter and re-arm, then report the wake-up (the caller
-            // looks again; a spurious wake-up is harmless).
-            drain(fd.get_ref().as_fd());
-            guard.clear_ready();
+            let mut buf = [0u8; 8];
+            for _ in 0..WAKE_DRAIN {
+                match rustix::net::recv(fd.get_ref(), &mut buf[..], RecvFlags::DONTWAIT) {
+                    Ok((0, _)) => {
+                        sh.mark_gone();
+                        break;
+                    }
+                    Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                    Err(rustix::io::Errno::AGAIN) => {
+                        guard.clear_ready();
+                        break;
+                    }
+                    Err(_) => {
+                        sh.mark_gone();
+                        break;
+                    }
+                }
+            }
+            // The caller looks again; a spurious wake-up is harmless.
             Poll::Ready(Ok(()))
         }
-        Poll::Ready(Err(e)) => Poll::Ready(Err(Error::io("waiting on an eventfd", e))),
+        Poll::Ready(Err(e)) => Poll::Ready(Err(Error::io("waiting on a wake socket", e))),
         Poll::Pending => Poll::Pending,
     }
 }
@@ -273,28 +369,38 @@ pub(crate) struct ShmSender {
     refs: ShmArena,
     /// Lease tag region of our outgoing arena.
     region: u64,
-    /// At most one message that found no room at `start_send`.
+    /// Messages accepted by `start_send` that found no room yet, in order.
     staged: VecDeque<Message>,
     /// Arena bytes (head and body) of the last message handed back for lack of room:
     /// `poll_ready` waits for that much, so that a retry finds it.
     want: Option<u64>,
     external_sent: u64,
+    /// The rest of an external-body record the socket took only part of.
+    ext_record: Option<([u8; ExtRecord::LEN], usize)>,
     closed: bool,
+    /// How long a dropped sender keeps delivering what it staged, in the background; `None`
+    /// once it is that background delivery.
+    linger: Option<Duration>,
+    /// An empty stand-in left behind by `detach`: its drop does nothing.
+    detached: bool,
 }
 
 impl ShmSender {
-    pub(crate) fn new(sh: Arc<Shared>) -> ShmSender {
+    pub(crate) fn new(sh: Arc<Shared>, linger: Duration) -> ShmSender {
         let refs = sh.seg.arena(sh.out_dir);
         ShmSender {
             ring: ring::Producer::new(sh.out_ring()),
             arena: ArenaProducer::new(refs.len()),
-            region: sh.seg.id() * 2 + sh.out_dir as u64,
+            region: REGION_SHM | (sh.seg.id() * 2 + sh.out_dir as u64),
             refs,
             sh,
             staged: VecDeque::new(),
             want: None,
             external_sent: 0,
+            ext_record: None,
             closed: false,
+            linger: Some(linger),
+            detached: false,
         }
     }
 
@@ -309,20 +415,14 @@ impl ShmSender {
             ));
         }
         if self.sh.gone() {
-            return Err(Error::new(
-                ErrorKind::ConnectionLost,
-                format!(
-                    "the shared-memory peer {} is gone (process exited?)",
-                    self.sh.peer
-                ),
-            ));
+            return Err(self.sh.gone_error("is gone"));
         }
         Ok(())
     }
 
     fn publish(&mut self) {
         if self.ring.publish() {
-            signal(self.sh.out_data.as_fd());
+            wake(&self.sh.data);
         }
     }
 
@@ -336,7 +436,9 @@ impl ShmSender {
         self.external_sent.saturating_sub(released)
     }
 
-    /// Writes `msg` into the ring and arena, or hands it back with what was missing.
+    /// Writes `msg` into the ring and arena, or hands it back with what was missing. Whatever
+    /// is missing is found before anything of the message is written, except arena room for
+    /// the body after its head took a block (that block is released again).
     fn write(&mut self, msg: Message) -> Result<std::result::Result<(), (Message, NoRoom)>> {
         if self.ring.free().map_err(corrupt)? == 0 {
             return Ok(Err((msg, NoRoom::Ring)));
@@ -347,89 +449,75 @@ impl ShmSender {
         let header = msg.header();
         let body = msg.body();
         let body_len = body.len() as u64;
+        let in_place = body
+            .lease_tag()
+            .filter(|t| t.region == self.region)
+            .map(|t| t.offset);
+        let plan = desc::plan(head_len, body_len, in_place.is_some(), self.refs.len());
+        if plan.body == BodyPlace::External {
+            if self.external_in_flight() >= MAX_EXTERNAL {
+                return Ok(Err((msg, NoRoom::External)));
+            }
+            if !self.flush_record()? {
+                return Ok(Err((msg, NoRoom::Socket)));
+            }
+        }
         let mut d = Desc {
             kind: Desc::MESSAGE,
             flags: header.flags.bits(),
             type_len: kind.len() as u8,
-            place: 0,
             meta_len: meta.len() as u32,
             correlation: header.correlation,
             body_len,
-            body_at: 0,
-            head_at: 0,
-            inline: [0; Desc::INLINE],
+            ..Desc::zeroed()
         };
-        let mut head_block = None;
-        if head_len <= Desc::INLINE {
-            d.inline[..kind.len()].copy_from_slice(kind.as_bytes());
-            d.inline[kind.len()..head_len].copy_from_slice(meta);
-        } else {
-            let Some(at) = self.arena.alloc(&self.refs, head_len as u64, 1) else {
-                return Ok(Err((msg, NoRoom::Arena)));
-            };
-            let p = self.refs.ptr(at + arena::BLOCK_ALIGN);
-            // SAFETY: a freshly allocated block of `head_len` payload bytes, ours alone until
-            // published.
-            unsafe {
-                std::ptr::copy_nonoverlapping(kind.as_bytes().as_ptr(), p, kind.len());
-                std::ptr::copy_nonoverlapping(meta.as_ptr(), p.add(kind.len()), meta.len());
+        let head_block = match plan.head {
+            HeadPlace::Inline => {
+                d.inline[..kind.len()].copy_from_slice(kind.as_bytes());
+                d.inline[kind.len()..head_len].copy_from_slice(meta);
+                None
             }
-            d.place |= Desc::HEAD_IN_ARENA;
-            d.head_at = at;
-            head_block = Some(at);
-        }
-        let undo = |this: &mut Self| {
-            if let Some(at) = head_block {
-                arena::release(&this.refs, at);
+            HeadPlace::Block => {
+                let Some(at) = self.arena.alloc(&self.refs, head_len as u64, 1) else {
+                    return Ok(Err((msg, NoRoom::Arena)));
+                };
+                let p = desc::payload(at);
+                self.refs.copy_in(p, kind.as_bytes());
+                self.refs.copy_in(p + kind.len() as u64, meta);
+                d.place |= Desc::HEAD_IN_ARENA;
+                d.head_at = at;
+                Some(at)
             }
         };
-        if body_len > 0 && head_block.is_none() && head_len + body_len as usize <= Desc::INLINE {
-            // Small enough to ride in the descriptor: no arena block at all.
-            let bytes = body.as_bytes().expect("host bodies only");
-            d.inline[head_len..head_len + bytes.len()].copy_from_slice(bytes);
-            d.place |= Desc::BODY_INLINE;
-        } else if body_len > 0 {
-            let bytes = body.as_bytes().expect("host bodies only");
-            match body.lease_tag() {
-                Some(LeaseTag { region, offset }) if region == self.region => {
-                    // Allocated in place in this arena: the receiver takes a reference.
-                    arena::retain(&self.refs, offset);
-                    d.place |= Desc::BODY_IN_ARENA;
-                    d.body_at = offset;
-                }
-                _ if self.arena.too_large(body_len) => {
-                    if self.external_in_flight() >= MAX_EXTERNAL {
-                        undo(self);
-                        return Ok(Err((msg, NoRoom::External)));
+        let bytes = || body.as_bytes().expect("host bodies only");
+        match plan.body {
+            BodyPlace::Empty => {}
+            BodyPlace::Inline => {
+                d.inline[head_len..head_len + body_len as usize].copy_from_slice(bytes());
+                d.place |= Desc::BODY_INLINE;
+            }
+            BodyPlace::InPlace => {
+                // Allocated in place in this arena (its hold is kept by the body we have):
+                // the receiver takes a reference.
+                let at = in_place.expect("planned in place");
+                arena::retain(&self.refs, at);
+                d.place |= Desc::BODY_IN_ARENA;
+                d.body_at = at;
+            }
+            BodyPlace::Copy => {
+                let Some(at) = self.arena.alloc(&self.refs, body_len, 1) else {
+                    if let Some(h) = head_block {
+                        arena::release(&self.refs, h);
                     }
-                    match self.send_external(bytes)? {
-                        Some(seq) => {
-                            d.place |= Desc::BODY_EXTERNAL;
-                            d.body_at = seq;
-                        }
-                        None => {
-                            undo(self);
-                            return Ok(Err((msg, NoRoom::Socket)));
-                        }
-                    }
-                }
-                _ => {
-                    let Some(at) = self.arena.alloc(&self.refs, body_len, 1) else {
-                        undo(self);
-                        return Ok(Err((msg, NoRoom::Arena)));
-                    };
-                    // SAFETY: a freshly allocated block of `body_len` payload bytes, ours
-                    // alone until published; `bytes` is other memory.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            bytes.as_ptr(),
-                            self.refs.ptr(at + arena::BLOCK_ALIGN),
-                            bytes.len(),
-                        )
-                    };
-                    d.place |= Desc::BODY_IN_ARENA;
-                    d.body_at = at;
-                }
+                    return Ok(Err((msg, NoRoom::Arena)));
+                };
+                self.refs.copy_in(desc::payload(at), bytes());
+                d.place |= Desc::BODY_IN_ARENA;
+                d.body_at = at;
+            }
+            BodyPlace::External => {
+                d.body_at = self.send_external(bytes())?;
+                d.place |= Desc::BODY_EXTERNAL;
             }
         }
         self.ring.write(&d);
@@ -439,9 +527,11 @@ impl ShmSender {
         Ok(Ok(()))
     }
 
-    /// A body too large for the arena: a sealed memfd of its own, passed over the socket.
-    /// `None` when the socket has no room now.
-    fn send_external(&mut self, bytes: &Bytes) -> Result<Option<u64>> {
+    /// A body too large for the arena: a sealed memfd of its own, passed over the socket with
+    /// its record. Returns its sequence number. The record's first byte carries the memfd; if
+    /// the socket takes only part of the record, the rest is kept and sent before anything
+    /// else goes on the socket (the receiver waits for the whole record).
+    fn send_external(&mut self, bytes: &Bytes) -> Result<u64> {
         let fd = rustix::fs::memfd_create(
             "hyperframes-body",
             MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
@@ -452,7 +542,7 @@ impl ShmSender {
         {
             let map = Mapping::new(&fd, bytes.len() as u64, true)
                 .map_err(|e| Error::io("mapping a large body's memfd", e))?;
-            // SAFETY: a fresh private mapping of exactly `bytes.len()` bytes.
+            // SAFETY: a fresh mapping of exactly `bytes.len()` bytes of a memfd nobody else has.
             unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), map.base(), bytes.len()) };
         }
         // Immutable from here on: the receiver checks these seals.
@@ -462,22 +552,47 @@ impl ShmSender {
         )
         .map_err(|e| Error::io("sealing a large body's memfd", e.into()))?;
         let seq = self.external_sent;
-        let mut record = [0u8; EXT_LEN];
-        record[..8].copy_from_slice(&EXT_MAGIC);
-        record[8..].copy_from_slice(&seq.to_le_bytes());
+        let record = ExtRecord {
+            seq,
+            len: bytes.len() as u64,
+        }
+        .encode();
         match rendezvous::send_once(self.sh.uds.as_fd(), &record, &[fd.as_fd()]) {
-            Ok(n) if n == EXT_LEN => {
+            Ok(n) => {
                 self.external_sent += 1;
-                Ok(Some(seq))
+                if n < ExtRecord::LEN {
+                    self.ext_record = Some((record, n));
+                }
+                Ok(seq)
             }
-            Ok(_) => Err(corrupt("partial write of an external-body record")),
-            Err(rustix::io::Errno::AGAIN) => Ok(None),
             Err(e) => Err(Error::new(
                 ErrorKind::ConnectionLost,
                 format!("sending a large body to {}", self.sh.peer),
             )
             .with_source(std::io::Error::from(e))),
         }
+    }
+
+    /// Sends the rest of a partly sent record; true when none is left.
+    fn flush_record(&mut self) -> Result<bool> {
+        let Some((record, sent)) = &mut self.ext_record else {
+            return Ok(true);
+        };
+        while *sent < ExtRecord::LEN {
+            match rendezvous::send_once(self.sh.uds.as_fd(), &record[*sent..], &[]) {
+                Ok(n) => *sent += n,
+                Err(rustix::io::Errno::AGAIN) => return Ok(false),
+                Err(e) => {
+                    return Err(Error::new(
+                        ErrorKind::ConnectionLost,
+                        format!("sending a large body to {}", self.sh.peer),
+                    )
+                    .with_source(std::io::Error::from(e)));
+                }
+            }
+        }
+        self.ext_record = None;
+        Ok(true)
     }
 
     /// Waits for what `why` lacked. Publishes first: the consumer must see everything written
@@ -507,15 +622,19 @@ impl ShmSender {
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }
+        // Wakes from this process (our leases, the watcher) and from the peer (its sockets).
+        self.sh.tx_waker.register(cx.waker());
         self.ring.prepare_park();
         if room(self)? {
             self.ring.cancel_park();
             return Poll::Ready(Ok(()));
         }
-        poll_eventfd(&self.sh.out_space, cx)
+        poll_wake(&self.sh, &self.sh.space, cx)
     }
 
-    /// Writes the staged message(s), waiting for room; then publishes.
+    /// Writes the staged messages in order, waiting for room; then publishes. Ready once every
+    /// staged message is handed over (written and published); a record the socket took only
+    /// part of is sent on by the next call, and waited for by `poll_flush`.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
         while let Some(msg) = self.staged.pop_front() {
             match self.write(msg)? {
@@ -532,12 +651,31 @@ impl ShmSender {
                 }
             }
         }
+        self.flush_record()?;
         self.publish();
         Poll::Ready(Ok(()))
     }
-}
 
-impl ShmSender {
+    /// `poll_drain`, then the rest of a partly sent record.
+    fn poll_drain_all(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        loop {
+            match self.poll_drain(cx) {
+                Poll::Ready(r) => r?,
+                Poll::Pending => return Poll::Pending,
+            }
+            if self.ext_record.is_none() {
+                return Poll::Ready(Ok(()));
+            }
+            match self.poll_room(cx, NoRoom::Socket) {
+                Poll::Ready(r) => {
+                    r?;
+                    self.check()?;
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+
     /// Ready when the next message can be written: a free ring slot, and arena room for the
     /// message last handed back, if any.
     fn poll_room_for_next(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
@@ -560,6 +698,27 @@ impl ShmSender {
                 Poll::Pending => return Poll::Pending,
             }
         }
+    }
+
+    /// Moves the sender's state out (for a background close), leaving an inert stand-in.
+    fn detach(&mut self) -> ShmSender {
+        let stand_in = ShmSender {
+            sh: self.sh.clone(),
+            ring: ring::Producer::new(self.sh.out_ring()),
+            arena: ArenaProducer::new(self.refs.len()),
+            refs: self.refs.clone(),
+            region: self.region,
+            staged: VecDeque::new(),
+            want: None,
+            external_sent: 0,
+            ext_record: None,
+            closed: true,
+            linger: None,
+            detached: true,
+        };
+        let mut moved = std::mem::replace(self, stand_in);
+        moved.linger = None;
+        moved
     }
 }
 
@@ -597,7 +756,7 @@ impl SendHalf for ShmSender {
     }
 
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
-        self.poll_drain(cx)
+        self.poll_drain_all(cx)
     }
 
     fn unstage(&mut self) -> Option<Message> {
@@ -617,35 +776,39 @@ impl SendHalf for ShmSender {
         if self.closed {
             return Poll::Ready(Ok(()));
         }
-        match self.poll_drain(cx) {
+        match self.poll_drain_all(cx) {
             Poll::Ready(Ok(())) => {}
             Poll::Ready(Err(e)) if e.kind() == ErrorKind::Closed => {}
             other => return other,
         }
         self.closed = true;
         if self.ring.close() {
-            signal(self.sh.out_data.as_fd());
+            wake(&self.sh.data);
         }
         Poll::Ready(Ok(()))
     }
 
     fn poll_alloc(&mut self, cx: &mut Context<'_>, len: usize) -> Poll<Result<BodyMut>> {
         self.check()?;
-        if self.arena.too_large(len as u64) {
-            // Larger than the arena: heap memory; sending copies it once into a memfd.
+        if !self.sh.zero_copy || self.arena.too_large(len as u64) {
+            // Heap memory: larger than the arena (sending copies it once into a memfd), or a
+            // peer not trusted with views of our arena (sending copies it into the arena).
             return Poll::Ready(Ok(BodyMut::zeroed(len)));
         }
         loop {
-            if let Some(at) = self.arena.alloc(&self.refs, len as u64, 1) {
+            if let Some((at, hold)) = self.arena.alloc_held(&self.refs, len as u64) {
+                let ptr = self.refs.ptr(desc::payload(at), len as u64);
                 return Poll::Ready(Ok(BodyMut::lent(Box::new(ArenaBodyMut {
                     lease: SendLease {
                         sh: self.sh.clone(),
-                        refs: self.refs.clone(),
-                        at,
-                        ptr: self.refs.ptr(at + arena::BLOCK_ALIGN),
+                        hold,
+                        ptr,
                         len,
                     },
-                    region: self.region,
+                    tag: LeaseTag {
+                        region: self.region,
+                        offset: at,
+                    },
                 }))));
             }
             match self.poll_room(cx, NoRoom::Arena) {
@@ -661,62 +824,103 @@ impl SendHalf for ShmSender {
 
 impl Drop for ShmSender {
     fn drop(&mut self) {
-        // Drop is a close: write what fits without waiting, then mark the end.
-        while let Some(msg) = self.staged.pop_front() {
-            if let Ok(Err((msg, _))) = self.write(msg) {
-                self.staged.push_front(msg);
-                break;
-            }
+        if self.detached {
+            return;
         }
-        if !self.staged.is_empty() && !self.closed {
+        // Drop is a close: write what fits now; what does not is delivered in the background
+        // (bounded by `linger`) when a runtime is there to do it.
+        let mut cx = Context::from_waker(futures_util::task::noop_waker_ref());
+        let pending = match self.poll_close(&mut cx) {
+            Poll::Pending => true,
+            Poll::Ready(Ok(())) => false,
+            Poll::Ready(Err(e)) => {
+                if !self.staged.is_empty() {
+                    tracing::warn!(
+                        messages = self.staged.len(),
+                        peer = %self.sh.peer,
+                        "shm sender dropped: messages not sent: {e}"
+                    );
+                }
+                false
+            }
+        };
+        if pending {
+            if let (Some(linger), Ok(rt)) = (self.linger, tokio::runtime::Handle::try_current()) {
+                let mut rest = self.detach();
+                rt.spawn(async move {
+                    let close = futures_util::future::poll_fn(|cx| rest.poll_close(cx));
+                    match tokio::time::timeout(linger, close).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => tracing::warn!(
+                            messages = rest.staged.len(),
+                            peer = %rest.sh.peer,
+                            "dropped shm sender: messages not delivered: {e}"
+                        ),
+                        Err(_) => tracing::warn!(
+                            messages = rest.staged.len(),
+                            peer = %rest.sh.peer,
+                            "dropped shm sender: messages not delivered within the linger of {linger:?}"
+                        ),
+                    }
+                });
+                return;
+            }
             tracing::warn!(
                 messages = self.staged.len(),
                 peer = %self.sh.peer,
-                "shm sender dropped while the peer's ring was full: messages not sent (close() waits for room)"
+                "shm sender dropped outside a runtime while the peer's ring was full: messages not sent"
             );
         }
         if !self.closed && self.ring.close() {
-            signal(self.sh.out_data.as_fd());
+            wake(&self.sh.data);
         }
         self.sh.half_dropped();
     }
 }
 
-/// The sender's reference to a block it allocated in place.
+impl Shared {
+    /// One half is dropped; the watcher stops with the last.
+    fn half_dropped(&self) {
+        if self.halves.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.done.notify_one();
+        }
+    }
+}
+
+/// The sender's hold on a block it allocated in place.
 struct SendLease {
     sh: Arc<Shared>,
-    refs: ShmArena,
-    at: u64,
+    hold: Arc<Hold>,
     ptr: *mut u8,
     len: usize,
 }
 
-// SAFETY: `ptr` points into the mapping kept alive by `refs`; the block is reserved for this
-// lease (reference count held) so no other party writes it while the lease lives, except the
-// owner of the `ArenaBodyMut` through `&mut`.
+// SAFETY: `ptr` points into the segment's mapping, which `sh` keeps alive; the block is held
+// for this lease (`hold`, in process memory) so the producer does not reuse it while the lease
+// lives. Moving the lease to another thread moves nothing but that right.
 unsafe impl Send for SendLease {}
 // SAFETY: shared access only reads the block (see `Send`).
 unsafe impl Sync for SendLease {}
 
 impl AsRef<[u8]> for SendLease {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: `len` bytes of a block held by this lease, inside the mapping; not written
-        // any more once frozen (the `ArenaBodyMut` is consumed by `freeze`).
+        // SAFETY: `len` bytes of a block held by this lease, inside the mapping (checked when
+        // allocated); not written any more once frozen (the `ArenaBodyMut` is consumed by
+        // `freeze`). Handed out only when the peer is trusted with our arena (`zero_copy`).
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
 
 impl Drop for SendLease {
     fn drop(&mut self) {
-        if arena::release(&self.refs, self.at) {
-            self.sh.wake_own_sender();
-        }
+        self.hold.release();
+        self.sh.tx_waker.wake();
     }
 }
 
 struct ArenaBodyMut {
     lease: SendLease,
-    region: u64,
+    tag: LeaseTag,
 }
 
 impl LentMut for ArenaBodyMut {
@@ -731,11 +935,7 @@ impl LentMut for ArenaBodyMut {
     }
 
     fn freeze(self: Box<Self>) -> Body {
-        let tag = LeaseTag {
-            region: self.region,
-            offset: self.lease.at,
-        };
-        Body::leased(Bytes::from_owner(self.lease), tag)
+        Body::leased(Bytes::from_owner(self.lease), self.tag)
     }
 }
 
@@ -748,28 +948,33 @@ pub(crate) struct ShmReceiver {
     ring: ring::Consumer<ShmRing>,
     refs: ShmArena,
     limits: Limits,
+    bounds: Bounds,
     types: TypeCache,
     batch: VecDeque<Message>,
-    external_next: u64,
     done: bool,
 }
 
 enum Step {
     Message(Message),
-    /// An external body whose memfd has not arrived yet.
+    /// An external body whose memfd has not arrived yet: nothing was taken.
     WaitExternal,
 }
 
 impl ShmReceiver {
     pub(crate) fn new(sh: Arc<Shared>, limits: Limits) -> ShmReceiver {
+        let refs = sh.seg.arena(sh.in_dir);
         ShmReceiver {
             ring: ring::Consumer::new(sh.in_ring()),
-            refs: sh.seg.arena(sh.in_dir),
+            bounds: Bounds {
+                max_meta_bytes: limits.max_meta_bytes,
+                max_body: limits.max_body,
+                arena_len: refs.len(),
+            },
+            refs,
             sh,
             limits,
             types: TypeCache::default(),
             batch: VecDeque::new(),
-            external_next: 0,
             done: false,
         }
     }
@@ -780,151 +985,81 @@ impl ShmReceiver {
         }
     }
 
-    /// Decodes one descriptor, validating everything the peer wrote.
+    /// Decodes one descriptor: checked first, then its parts taken. Nothing is released or
+    /// taken unless the whole message can be (an external body that has not arrived leaves
+    /// the descriptor as it was, to be decoded again).
     fn decode(&mut self, d: &Desc) -> Result<Step> {
-        if d.kind != Desc::MESSAGE {
-            return Err(corrupt(format!("descriptor kind {}", d.kind)));
-        }
-        let flags = Flags::from_bits(d.flags).ok_or_else(|| corrupt("reserved flag bits"))?;
-        let type_len = d.type_len as usize;
-        let meta_len = d.meta_len as usize;
-        if type_len == 0 || d.meta_len > self.limits.max_meta_bytes {
-            return Err(corrupt(format!(
-                "type of {type_len} bytes, metadata of {meta_len} bytes (max {})",
-                self.limits.max_meta_bytes
-            )));
-        }
-        if d.body_len > self.limits.max_body {
-            return Err(corrupt(format!(
-                "body of {} bytes exceeds max_body of {}",
-                d.body_len, self.limits.max_body
-            )));
-        }
-        // An external body whose memfd has not come through the socket yet: wait before
-        // anything is taken or released, so that decoding the descriptor again later (when
-        // the memfd is there) does not release its head block a second time.
-        if d.place & Desc::BODY_EXTERNAL != 0
-            && self
-                .sh
-                .external
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_empty()
-        {
-            return Ok(Step::WaitExternal);
-        }
-        let arena_len = self.refs.len();
-        // The head, copied out of shared memory before it is validated.
-        let head_len = type_len + meta_len;
-        let head: Vec<u8>;
-        let head_bytes: &[u8] = if d.place & Desc::HEAD_IN_ARENA != 0 {
-            let at = arena::validate(arena_len, d.head_at, head_len as u64)
-                .ok_or_else(|| corrupt("head block out of the arena"))?;
-            let mut v = vec![0u8; head_len];
-            // SAFETY: `[at, at + head_len)` lies inside the arena (validated); copied out at
-            // once, so later writes by a misbehaving peer cannot change what we validate.
-            unsafe { std::ptr::copy_nonoverlapping(self.refs.ptr(at), v.as_mut_ptr(), head_len) };
-            self.release(d.head_at);
-            head = v;
-            &head
-        } else {
-            if head_len > Desc::INLINE {
-                return Err(corrupt("inline head longer than the descriptor"));
-            }
-            &d.inline[..head_len]
-        };
-        let kind = self
-            .types
-            .get(&head_bytes[..type_len])
-            .map_err(|e| corrupt(format!("type: {e}")))?;
-        let meta_raw = &head_bytes[type_len..];
-        Meta::validate_wire(meta_raw, self.limits.max_meta_entries as usize)
-            .map_err(|e| corrupt(format!("metadata: {e}")))?;
-        let meta = if meta_raw.is_empty() {
-            Meta::new()
-        } else {
-            Meta::from_valid_wire(Bytes::copy_from_slice(meta_raw))
-        };
-        let body = match d.place & (Desc::BODY_IN_ARENA | Desc::BODY_EXTERNAL | Desc::BODY_INLINE) {
-            0 if d.body_len == 0 => Bytes::new(),
-            Desc::BODY_INLINE => {
-                if d.place & Desc::HEAD_IN_ARENA != 0
-                    || head_len as u64 + d.body_len > Desc::INLINE as u64
-                {
-                    return Err(corrupt("inline body does not fit the descriptor"));
+        let l: Layout = desc::check(d, &self.bounds).map_err(corrupt)?;
+        let external = match l.body {
+            Part::External { seq, len } => {
+                let mut ext = self.sh.lock_external();
+                match ext.queue.front() {
+                    None => return Ok(Step::WaitExternal),
+                    Some((s, map)) if *s != seq || map.len() as u64 != len => {
+                        return Err(corrupt(format!(
+                            "external body {seq} of {len} bytes, but {s} of {} bytes came",
+                            map.len()
+                        )));
+                    }
+                    Some(_) => ext.queue.pop_front().map(|(_, map)| map),
                 }
-                Bytes::copy_from_slice(&d.inline[head_len..head_len + d.body_len as usize])
             }
-            Desc::BODY_IN_ARENA => {
-                let at = arena::validate(arena_len, d.body_at, d.body_len)
-                    .ok_or_else(|| corrupt("body block out of the arena"))?;
-                let ptr = self.refs.ptr(at);
-                let len = d.body_len as usize;
-                if d.body_len <= COPY_MAX {
-                    // SAFETY: inside the arena (validated), published to us and not reused by
-                    // the producer before we release it just below.
-                    let b = Bytes::copy_from_slice(unsafe { std::slice::from_raw_parts(ptr, len) });
-                    self.release(d.body_at);
+            _ => None,
+        };
+        // The head, copied out of shared memory before it is parsed.
+        let (kind, meta) = match l.head {
+            Part::Inline { at, len } => desc::head(
+                &d.inline[at..at + len],
+                l.type_len,
+                &mut self.types,
+                self.limits.max_meta_entries,
+            ),
+            Part::Block { block, len } => {
+                let bytes = self.refs.copy_out(desc::payload(block), len as usize);
+                self.release(block);
+                desc::head(
+                    &bytes,
+                    l.type_len,
+                    &mut self.types,
+                    self.limits.max_meta_entries,
+                )
+            }
+            _ => unreachable!("desc::check places heads inline or in a block"),
+        }
+        .map_err(corrupt)?;
+        let body = match l.body {
+            Part::Empty => Bytes::new(),
+            Part::Inline { at, len } => Bytes::copy_from_slice(&d.inline[at..at + len]),
+            Part::Block { block, len } => {
+                let at = desc::payload(block);
+                if len <= COPY_MAX || !self.sh.zero_copy {
+                    let b = Bytes::from(self.refs.copy_out(at, len as usize));
+                    self.release(block);
                     b
                 } else {
                     Bytes::from_owner(RecvLease {
                         sh: self.sh.clone(),
                         refs: self.refs.clone(),
-                        at: d.body_at,
-                        ptr,
-                        len,
+                        block,
+                        ptr: self.refs.ptr(at, len),
+                        len: len as usize,
                     })
                 }
             }
-            Desc::BODY_EXTERNAL => {
-                if d.body_at != self.external_next {
-                    return Err(corrupt("external bodies out of order"));
-                }
-                let fd = self
-                    .sh
-                    .external
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .pop_front();
-                let Some(fd) = fd else {
-                    return Err(corrupt("external body vanished from the queue"));
-                };
-                self.external_next += 1;
-                self.open_external(fd, d.body_len)?
-            }
-            _ => return Err(corrupt("inconsistent body placement")),
+            Part::External { .. } => Bytes::from_owner(ExternalBody {
+                map: external.expect("taken above"),
+                sh: self.sh.clone(),
+            }),
         };
         Ok(Step::Message(Message::from_parts(
             kind,
             meta,
             Body::from(body),
             Header {
-                flags,
-                correlation: d.correlation,
+                flags: l.flags,
+                correlation: l.correlation,
             },
         )))
-    }
-
-    fn open_external(&self, fd: OwnedFd, len: u64) -> Result<Bytes> {
-        let seals = rustix::fs::fcntl_get_seals(&fd)
-            .map_err(|_| corrupt("external body is not a memfd"))?;
-        if !seals.contains(SealFlags::SHRINK | SealFlags::GROW | SealFlags::WRITE) {
-            return Err(corrupt("external body memfd is not sealed"));
-        }
-        let size = rustix::fs::fstat(&fd)
-            .map_err(|e| Error::io("inspecting an external body", e.into()))?
-            .st_size as u64;
-        if size != len {
-            return Err(corrupt(format!(
-                "external body is {size} bytes, announced {len}"
-            )));
-        }
-        let map =
-            Mapping::new(&fd, len, false).map_err(|e| Error::io("mapping an external body", e))?;
-        Ok(Bytes::from_owner(ExternalBody {
-            map,
-            sh: self.sh.clone(),
-        }))
     }
 
     /// Takes up to a batch of published descriptors into `batch`.
@@ -944,7 +1079,7 @@ impl ShmReceiver {
             taken += 1;
         }
         if taken > 0 && self.ring.consume(taken) {
-            signal(self.sh.in_space.as_fd());
+            wake(&self.sh.space);
         }
         Ok(if taken > 0 {
             Filled::Some
@@ -965,21 +1100,14 @@ impl ShmReceiver {
                 Filled::WaitExternal => {
                     // The next descriptor's body is a memfd that has not come through the
                     // socket yet: the watcher wakes us when it does (or when the peer is gone).
-                    self.sh.external_waker.register(cx.waker());
-                    if !self
-                        .sh
-                        .external
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .is_empty()
-                    {
+                    self.sh.rx_waker.register(cx.waker());
+                    if !self.sh.lock_external().queue.is_empty() {
                         continue;
                     }
                     if self.sh.gone() {
-                        return Poll::Ready(Some(Err(Error::new(
-                            ErrorKind::ConnectionLost,
-                            "the shared-memory peer went away while sending a large body",
-                        ))));
+                        return Poll::Ready(Some(Err(self
+                            .sh
+                            .gone_error("went away while sending a large body"))));
                     }
                     return Poll::Pending;
                 }
@@ -990,16 +1118,12 @@ impl ShmReceiver {
             }
             if self.sh.gone() {
                 // Published before the peer went? Take it first.
-                if self.ring.available().map_err(corrupt)? > 0 {
+                if self.sh.fault.get().is_none() && self.ring.available().map_err(corrupt)? > 0 {
                     continue;
                 }
-                return Poll::Ready(Some(Err(Error::new(
-                    ErrorKind::ConnectionLost,
-                    format!(
-                        "the shared-memory peer {} went away without closing the channel (did it exit or crash?)",
-                        self.sh.peer
-                    ),
-                ))));
+                return Poll::Ready(Some(Err(self
+                    .sh
+                    .gone_error("went away without closing the channel"))));
             }
             if spin_until(|| Ok(self.ring.available().map_err(corrupt)? > 0 || self.sh.gone()))? {
                 continue;
@@ -1008,6 +1132,7 @@ impl ShmReceiver {
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
+            self.sh.rx_waker.register(cx.waker());
             self.ring.prepare_park();
             if self.ring.available().map_err(corrupt)? > 0
                 || self.ring.is_finished().map_err(corrupt)?
@@ -1016,7 +1141,7 @@ impl ShmReceiver {
                 self.ring.cancel_park();
                 continue;
             }
-            match poll_eventfd(&self.sh.in_data, cx) {
+            match poll_wake(&self.sh, &self.sh.data, cx) {
                 Poll::Ready(r) => r?,
                 Poll::Pending => return Poll::Pending,
             }
@@ -1045,7 +1170,7 @@ impl RecvHalf for ShmReceiver {
                     tracing::warn!(peer = %self.sh.peer, "closing shared-memory channel: {e}");
                     // Stop the peer: nothing it sends will be read.
                     self.ring.close();
-                    signal(self.sh.in_space.as_fd());
+                    wake(&self.sh.space);
                 }
                 Poll::Ready(other)
             }
@@ -1065,42 +1190,43 @@ impl Drop for ShmReceiver {
         }
         // STOP: the peer's Sender fails from now on. Wake it in case it waits for room.
         self.ring.close();
-        signal(self.sh.in_space.as_fd());
+        wake(&self.sh.space);
         self.sh.half_dropped();
     }
 }
 
-/// The receiver's reference to a body in the peer's arena.
+/// The receiver's reference to a body in the peer's arena (only when `zero_copy`).
 struct RecvLease {
     sh: Arc<Shared>,
     refs: ShmArena,
-    at: u64,
+    block: u64,
     ptr: *mut u8,
     len: usize,
 }
 
 // SAFETY: `ptr` points into the mapping kept alive by `refs`; the block stays reserved for
-// this lease (its reference count) so the producer does not reuse it while the lease lives.
+// this lease (its reference count) so a well-behaved producer does not reuse it while the
+// lease lives. Moving the lease to another thread moves nothing but that right.
 unsafe impl Send for RecvLease {}
 
 impl AsRef<[u8]> for RecvLease {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: `len` bytes inside the arena (validated when received), published to us and
-        // not reused before this lease releases the block. A well-behaved producer does not
-        // write a published block; a misbehaving one can change the bytes, not their bounds.
+        // SAFETY: `len` bytes inside the arena (checked when received), published to us and
+        // not written by a peer we trust with zero-copy views (`zero_copy`, the documented
+        // trust model: a peer not trusted so gets copies instead) before we release it.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
 
 impl Drop for RecvLease {
     fn drop(&mut self) {
-        if arena::release(&self.refs, self.at) {
+        if arena::release(&self.refs, self.block) {
             self.sh.wake_peer_sender();
         }
     }
 }
 
-/// A received body in a sealed memfd of its own.
+/// A received body in a sealed memfd of its own: immutable, whatever the peer does.
 struct ExternalBody {
     map: Mapping,
     sh: Arc<Shared>,
@@ -1108,13 +1234,17 @@ struct ExternalBody {
 
 impl AsRef<[u8]> for ExternalBody {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: the whole read-only mapping of a memfd sealed against writes and resizing.
+        // SAFETY: the whole read-only mapping of a memfd sealed against writes and resizing
+        // (checked on arrival), so its bytes cannot change while mapped.
         unsafe { std::slice::from_raw_parts(self.map.base(), self.map.len()) }
     }
 }
 
 impl Drop for ExternalBody {
     fn drop(&mut self) {
+        // Ours first, then the peer's count: when the peer sees room and sends another, this
+        // side has already counted this one out.
+        self.sh.lock_external().outstanding -= 1;
         self.sh
             .in_ring()
             .control()

@@ -3,14 +3,35 @@
 //! `shm://name` rendezvous at `$XDG_RUNTIME_DIR/hyperframes/name.sock` (or
 //! `/tmp/hyperframes-<uid>/name.sock`), `shm:///abs/path.sock` at that path. The listener
 //! creates a segment per connection (see `segment`) holding a descriptor ring (`ring`) and a
-//! body arena (`arena`) per direction, and passes it with the eventfds over the socket
-//! (`rendezvous`); the halves (`conn`) then read and write the segment directly.
+//! body arena (`arena`) per direction, and passes it with two wake sockets over the socket
+//! (`rendezvous`); the halves (`conn`) then read and write the segment directly. `desc` is the
+//! descriptor format and its checks, sans-IO.
 //!
-//! Needs a tokio runtime (with I/O enabled) in the caller: the halves park on eventfds
+//! Needs a tokio runtime (with I/O enabled) in the caller: the halves park on the wake sockets
 //! through `AsyncFd`, and a small task per connection watches the socket.
+//!
+//! # Trust
+//!
+//! The peer is another process that maps the same memory and can write any of it at any time.
+//! Whatever it does, it cannot make this side read or write outside the segment, hand out one
+//! block twice, block a thread, or hold more than a bounded number of descriptors: every
+//! descriptor and head is copied out atomically and checked, the allocator's own references
+//! live in process memory, wake-ups never block, and external bodies are bounded and checked
+//! on arrival. What a misbehaving peer *can* do is corrupt or withhold the messages it sends
+//! and stall the connection — as any peer can on any transport.
+//!
+//! Zero-copy bodies are different: a received `Bytes` that views the peer's arena (or a
+//! `Sender::alloc` block of ours that the peer can reach) is only sound if the peer does not
+//! write the block while we hold it. So zero-copy views are used only with a peer trusted not
+//! to (`ContextBuilder::shm_zero_copy`); by default that is a peer of the same user — which
+//! could write our memory through `/proc/<pid>/mem` or `ptrace` anyway — and not one accepted
+//! with `shm_allow_any_user`. Without zero copy, bodies are copied out on receive (with atomic
+//! loads) and `alloc` lends heap memory. Bodies larger than the arena travel as memfds sealed
+//! against writing, immutable either way.
 
 mod arena;
 mod conn;
+pub(crate) mod desc;
 mod rendezvous;
 pub(crate) mod ring;
 mod segment;
@@ -20,14 +41,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 
 use super::{AcceptHalf, Config, Parts};
 use crate::error::Result;
 use crate::{Error, ErrorKind};
-use conn::{Eventfds, Shared, ShmReceiver, ShmSender};
+use conn::{Setup, Shared, ShmReceiver, ShmSender};
 use rendezvous::Hello;
 use segment::{Geometry, Segment};
+
+/// Handshakes a listener runs at once; further connections wait in the kernel's backlog. Each
+/// costs a segment (sparse until used) and four descriptors until it completes or times out.
+const HANDSHAKES: usize = 32;
 
 fn runtime() -> Result<tokio::runtime::Handle> {
     tokio::runtime::Handle::try_current().map_err(|_| {
@@ -61,7 +86,7 @@ fn parts(
     peer: String,
 ) -> Parts {
     Parts {
-        tx: Box::new(ShmSender::new(sh.clone())),
+        tx: Box::new(ShmSender::new(sh.clone(), cfg.linger)),
         rx: Box::new(ShmReceiver::new(sh, cfg.limits)),
         transport: "shm",
         local: url.to_owned(),
@@ -69,6 +94,11 @@ fn parts(
         peer_limits,
         keepalive: None,
     }
+}
+
+/// Whether bodies are zero-copy views of shared memory (see *Trust*).
+fn zero_copy(cfg: &Config) -> bool {
+    cfg.shm_zero_copy.unwrap_or(!cfg.shm_any_uid)
 }
 
 pub(crate) async fn connect(name: &str, cfg: &Config) -> Result<Parts> {
@@ -103,23 +133,28 @@ pub(crate) async fn connect(name: &str, cfg: &Config) -> Result<Parts> {
                     ),
                 )
             })??;
-    let [memfd, a, b, c, d]: [std::os::fd::OwnedFd; 5] = fds.try_into().map_err(|v: Vec<_>| {
+    let [memfd, data, space]: [std::os::fd::OwnedFd; 3] = fds.try_into().map_err(|v: Vec<_>| {
         Error::new(
             ErrorKind::Protocol,
-            format!("shm handshake: expected 5 descriptors, got {}", v.len()),
+            format!("shm handshake: expected 3 descriptors, got {}", v.len()),
         )
     })?;
+    rendezvous::check_wake_socket(&data)?;
+    rendezvous::check_wake_socket(&space)?;
     let seg = Segment::open(memfd)?;
     rendezvous::answer(&uds, Hello { limits: cfg.limits }).await?;
     let peer = format!("{url}#pid{}", cred.pid.as_raw_nonzero());
-    let sh = Shared::start(
+    let sh = Shared::start(Setup {
         seg,
-        1,
-        Eventfds([a, b, c, d]),
+        out_dir: 1,
+        data,
+        space,
         uds,
-        cfg.busy_poll,
-        peer.clone(),
-    )?;
+        busy_poll: cfg.busy_poll,
+        zero_copy: zero_copy(cfg),
+        limits: cfg.limits,
+        peer: peer.clone(),
+    })?;
     Ok(parts(sh, cfg, &url, hello.limits, peer))
 }
 
@@ -127,12 +162,19 @@ pub(crate) async fn bind(name: &str, cfg: &Config) -> Result<(Box<dyn AcceptHalf
     let rt = runtime()?;
     let url = format!("shm://{name}");
     let path = socket_path(name)?;
-    let (listener, file) = rendezvous::bind(&path)?;
+    let (listener, file) = rendezvous::bind(&path, cfg.shm_any_uid)?;
     let (tx, rx) = mpsc::channel(cfg.accept_backlog);
     let rejected = Arc::new(AtomicU64::new(0));
     let (cfg, counter, spawner, local) = (cfg.clone(), rejected.clone(), rt.clone(), url.clone());
+    let handshakes = Arc::new(Semaphore::new(HANDSHAKES));
     rt.spawn(async move {
         loop {
+            // A permit per connection until it is handed over (or refused): bounds the
+            // handshakes in progress and the connections waiting for `accept`.
+            let permit = tokio::select! {
+                () = tx.closed() => return,
+                p = handshakes.clone().acquire_owned() => p.expect("never closed"),
+            };
             let accepted = tokio::select! {
                 () = tx.closed() => return,
                 r = listener.accept() => r,
@@ -148,6 +190,7 @@ pub(crate) async fn bind(name: &str, cfg: &Config) -> Result<(Box<dyn AcceptHalf
             let (tx, cfg, counter, local) =
                 (tx.clone(), cfg.clone(), counter.clone(), local.clone());
             spawner.spawn(async move {
+                let _permit = permit;
                 match accept(uds, &cfg, &local).await {
                     Ok(parts) => {
                         let _ = tx.send(parts).await;
@@ -174,37 +217,37 @@ pub(crate) async fn bind(name: &str, cfg: &Config) -> Result<(Box<dyn AcceptHalf
 async fn accept(uds: tokio::net::UnixStream, cfg: &Config, url: &str) -> Result<Parts> {
     let cred = rendezvous::check_peer(&uds, cfg.shm_any_uid)?;
     let (seg, memfd) = Segment::create(geometry(cfg))?;
-    let efds = Eventfds::new()?;
-    let fds = {
+    let (data, data_theirs) = rendezvous::wake_pair()?;
+    let (space, space_theirs) = rendezvous::wake_pair()?;
+    let theirs = {
         use std::os::fd::AsFd;
-        [
-            memfd.as_fd(),
-            efds.0[0].as_fd(),
-            efds.0[1].as_fd(),
-            efds.0[2].as_fd(),
-            efds.0[3].as_fd(),
-        ]
-        .map(|f| f.try_clone_to_owned())
-    };
-    let fds: Vec<_> = fds
-        .into_iter()
-        .collect::<std::io::Result<_>>()
-        .map_err(|e| Error::io("duplicating descriptors", e))?;
-    let borrowed: Vec<_> = fds.iter().map(std::os::fd::AsFd::as_fd).collect();
-    let theirs = tokio::time::timeout(
-        cfg.handshake_timeout,
-        rendezvous::listener_hello(&uds, Hello { limits: cfg.limits }, &borrowed),
-    )
-    .await
-    .map_err(|_| {
-        Error::new(
-            ErrorKind::TimedOut,
-            format!("no shm handshake answer within {:?}", cfg.handshake_timeout),
+        let fds = [memfd.as_fd(), data_theirs.as_fd(), space_theirs.as_fd()];
+        tokio::time::timeout(
+            cfg.handshake_timeout,
+            rendezvous::listener_hello(&uds, Hello { limits: cfg.limits }, &fds),
         )
-    })??;
-    drop(fds);
+        .await
+        .map_err(|_| {
+            Error::new(
+                ErrorKind::TimedOut,
+                format!("no shm handshake answer within {:?}", cfg.handshake_timeout),
+            )
+        })??
+    };
+    // The peer's ends are the peer's alone from here on.
+    drop((memfd, data_theirs, space_theirs));
     let peer = format!("{url}#pid{}", cred.pid.as_raw_nonzero());
-    let sh = Shared::start(seg, 0, efds, uds, cfg.busy_poll, peer.clone())?;
+    let sh = Shared::start(Setup {
+        seg,
+        out_dir: 0,
+        data,
+        space,
+        uds,
+        busy_poll: cfg.busy_poll,
+        zero_copy: zero_copy(cfg),
+        limits: cfg.limits,
+        peer: peer.clone(),
+    })?;
     Ok(parts(sh, cfg, url, theirs.limits, peer))
 }
 

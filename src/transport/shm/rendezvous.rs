@@ -1,18 +1,22 @@
 //! Rendezvous over a Unix domain socket: where the socket lives, binding it (replacing a
-//! stale one), checking the peer's credentials, and the hello exchange that passes the
-//! segment's memfd and the eventfds with `SCM_RIGHTS`.
+//! stale socket, never anything else), checking the peer's credentials, and the hello exchange
+//! that passes the segment's memfd and the two wake sockets with `SCM_RIGHTS`.
 //!
 //! ```text
 //! connector                                listener
-//!     ─── connect(path) ────────────────────▶  accept; SO_PEERCRED: same uid?
-//!     ◀── Hello{limits} + [memfd, 4 eventfds] ─
-//!  SO_PEERCRED: same uid? map + validate
-//!     ─── Hello{limits} ────────────────────▶
+//!     ─── connect(path) ──────────────────────▶  accept; SO_PEERCRED: same uid?
+//!     ◀── Hello{limits} + [memfd, data, space] ─  (the peer's ends of two socket pairs)
+//!  SO_PEERCRED: same uid? check the descriptors, map + validate
+//!     ─── Hello{limits} ──────────────────────▶
 //! ```
 //!
 //! The socket stays open for the connection's life: its end (EOF) is how each side learns
 //! that the other process is gone, and bodies too large for the arena travel over it as
-//! memfds of their own.
+//! memfds of their own, each announced by an [`ExtRecord`].
+//!
+//! The wake sockets are `SOCK_SEQPACKET` pairs: each process holds its own end, so nothing the
+//! peer does to its descriptors (clearing `O_NONBLOCK`, filling its queue) can make our wake-up
+//! block — we send with `MSG_DONTWAIT` on an open file description the peer never had.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
@@ -34,10 +38,36 @@ use crate::{Error, ErrorKind};
 /// The size of a hello.
 const HELLO_LEN: usize = 64;
 const HELLO_MAGIC: [u8; 8] = *b"HFSHMHEL";
-const HELLO_VERSION: u16 = 1;
-/// The size of an external-body record.
-pub(crate) const EXT_LEN: usize = 16;
-pub(crate) const EXT_MAGIC: [u8; 8] = *b"HFSHMEXT";
+const HELLO_VERSION: u16 = HELLO_VERSION_WAKE_SOCKETS;
+const HELLO_VERSION_WAKE_SOCKETS: u16 = 2;
+
+/// The announcement of an external body on the rendezvous socket, with its memfd attached:
+/// magic, sequence number, length (native-endian u64s).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ExtRecord {
+    pub(crate) seq: u64,
+    pub(crate) len: u64,
+}
+
+impl ExtRecord {
+    pub(crate) const LEN: usize = 24;
+    const MAGIC: [u8; 8] = *b"HFSHMEXT";
+
+    pub(crate) fn encode(&self) -> [u8; ExtRecord::LEN] {
+        let mut b = [0u8; ExtRecord::LEN];
+        b[..8].copy_from_slice(&ExtRecord::MAGIC);
+        b[8..16].copy_from_slice(&self.seq.to_ne_bytes());
+        b[16..].copy_from_slice(&self.len.to_ne_bytes());
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8; ExtRecord::LEN]) -> Option<ExtRecord> {
+        (b[..8] == ExtRecord::MAGIC).then(|| ExtRecord {
+            seq: u64::from_ne_bytes(b[8..16].try_into().expect("8 bytes")),
+            len: u64::from_ne_bytes(b[16..].try_into().expect("8 bytes")),
+        })
+    }
+}
 
 /// The directory `shm://name` sockets live in: `$XDG_RUNTIME_DIR/hyperframes`, or
 /// `/tmp/hyperframes-<uid>`; created private (0700) when missing, and refused when another
@@ -87,33 +117,79 @@ impl Drop for SocketFile {
     }
 }
 
-/// Binds `path`, replacing a stale socket left by a process that died (nothing accepts on
-/// it), refusing one that is alive. The socket file is made 0600.
-pub(crate) fn bind(path: &Path) -> Result<(tokio::net::UnixListener, SocketFile)> {
+static BIND_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Binds `path`. The socket is bound under a temporary name in the same directory, given its
+/// mode (0600, or 0666 when any user may connect: the credential check then decides), and
+/// only then moved to `path` with `RENAME_NOREPLACE`, so it is never reachable with the wrong
+/// mode and nothing at `path` is ever replaced. A socket left at `path` by a process that died
+/// (nothing accepts on it) is removed first; a live one, or any file that is not a socket, is
+/// refused.
+pub(crate) fn bind(path: &Path, any_uid: bool) -> Result<(tokio::net::UnixListener, SocketFile)> {
+    use std::os::unix::fs::FileTypeExt;
     let shown = path.display();
-    let listener = match std::os::unix::net::UnixListener::bind(path) {
-        Ok(l) => l,
-        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
-            match std::os::unix::net::UnixStream::connect(path) {
-                Ok(_) => {
-                    return Err(Error::new(
-                        ErrorKind::AddrInUse,
-                        format!("{shown}: another process is listening there"),
-                    ));
-                }
-                Err(_) => {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let tmp = dir.join(format!(
+        ".hf{:x}.{:x}",
+        std::process::id(),
+        BIND_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_file(&tmp); // ours, from a process with our pid that died
+    let listener = std::os::unix::net::UnixListener::bind(&tmp)
+        .map_err(|e| Error::io(format!("binding {shown}"), e))?;
+    let placed = (|| {
+        let mode = if any_uid { 0o666 } else { 0o600 };
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| Error::io(format!("securing {shown}"), e))?;
+        let mut replaced_stale = false;
+        loop {
+            match rustix::fs::renameat_with(
+                rustix::fs::CWD,
+                &tmp,
+                rustix::fs::CWD,
+                path,
+                rustix::fs::RenameFlags::NOREPLACE,
+            ) {
+                Ok(()) => return Ok(()),
+                Err(rustix::io::Errno::EXIST) if !replaced_stale => {
+                    let meta = std::fs::symlink_metadata(path)
+                        .map_err(|e| Error::io(format!("inspecting {shown}"), e))?;
+                    if !meta.file_type().is_socket() {
+                        return Err(Error::new(
+                            ErrorKind::AddrInUse,
+                            format!("{shown} exists and is not a socket; refusing to replace it"),
+                        ));
+                    }
+                    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                        return Err(Error::new(
+                            ErrorKind::AddrInUse,
+                            format!("{shown}: another process is listening there"),
+                        ));
+                    }
                     tracing::info!(path = %shown, "replacing a stale shared-memory socket");
                     std::fs::remove_file(path)
                         .map_err(|e| Error::io(format!("removing the stale {shown}"), e))?;
-                    std::os::unix::net::UnixListener::bind(path)
-                        .map_err(|e| Error::io(format!("binding {shown}"), e))?
+                    replaced_stale = true;
+                }
+                Err(rustix::io::Errno::EXIST) => {
+                    return Err(Error::new(
+                        ErrorKind::AddrInUse,
+                        format!("{shown}: another process bound it meanwhile"),
+                    ));
+                }
+                Err(e) => {
+                    return Err(Error::io(format!("binding {shown}"), e.into()));
                 }
             }
         }
-        Err(e) => return Err(Error::io(format!("binding {shown}"), e)),
-    };
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| Error::io(format!("securing {shown}"), e))?;
+    })();
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     let ino = std::fs::symlink_metadata(path)
         .map_err(|e| Error::io(format!("inspecting {shown}"), e))?
         .ino();
@@ -129,6 +205,37 @@ pub(crate) fn bind(path: &Path) -> Result<(tokio::net::UnixListener, SocketFile)
             ino,
         },
     ))
+}
+
+/// A pair of connected wake sockets (`SOCK_SEQPACKET`, non-blocking, close-on-exec).
+pub(crate) fn wake_pair() -> Result<(OwnedFd, OwnedFd)> {
+    rustix::net::socketpair(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::SEQPACKET,
+        rustix::net::SocketFlags::CLOEXEC | rustix::net::SocketFlags::NONBLOCK,
+        None,
+    )
+    .map_err(|e| Error::io("creating a wake socket pair", e.into()))
+}
+
+/// Checks that a descriptor the listener passed is a wake socket: a Unix `SOCK_SEQPACKET`
+/// socket. (Whatever its flags, every call on it passes `MSG_DONTWAIT`.)
+pub(crate) fn check_wake_socket(fd: &OwnedFd) -> Result<()> {
+    let bad = |what: &str| {
+        Error::new(
+            ErrorKind::Protocol,
+            format!("shm handshake: a wake descriptor {what}"),
+        )
+    };
+    match rustix::net::sockopt::socket_domain(fd) {
+        Ok(rustix::net::AddressFamily::UNIX) => {}
+        Ok(_) => return Err(bad("is not a Unix socket")),
+        Err(_) => return Err(bad("is not a socket")),
+    }
+    if rustix::net::sockopt::socket_type(fd) != Ok(rustix::net::SocketType::SEQPACKET) {
+        return Err(bad("is not a SOCK_SEQPACKET socket"));
+    }
+    Ok(())
 }
 
 /// The peer process's credentials; refuses a different user unless `any_uid`.
@@ -218,7 +325,7 @@ pub(crate) fn send_once(
     bytes: &[u8],
     fds: &[BorrowedFd<'_>],
 ) -> rustix::io::Result<usize> {
-    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(8))];
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
         return Err(rustix::io::Errno::NOBUFS);
@@ -231,14 +338,18 @@ pub(crate) fn send_once(
     )
 }
 
-/// One `recvmsg`, non-blocking: bytes read (0 at EOF) and any descriptors that came along.
+/// One `recvmsg`, non-blocking: bytes read (0 at EOF) and the descriptors that came along.
+/// Room is made for `max_fds` descriptors: the kernel closes any beyond (and we never hold
+/// more than that many because of one message).
 pub(crate) fn recv_once(
     s: BorrowedFd<'_>,
     buf: &mut [u8],
     fds: &mut Vec<OwnedFd>,
+    max_fds: usize,
 ) -> rustix::io::Result<usize> {
-    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(8))];
-    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let room = rustix::cmsg_space!(ScmRights(max_fds.min(4)));
+    let mut control = RecvAncillaryBuffer::new(&mut space[..room]);
     let msg = rustix::net::recvmsg(
         s,
         &mut [IoSliceMut::new(buf)],
@@ -262,7 +373,7 @@ async fn recv_exact<const N: usize>(s: &UnixStream, fds: &mut Vec<OwnedFd>) -> R
             .await
             .map_err(|e| Error::io("reading from the shm socket", e))?;
         match s.try_io(Interest::READABLE, || {
-            recv_once(s.as_fd(), &mut buf[got..], fds).map_err(Into::into)
+            recv_once(s.as_fd(), &mut buf[got..], fds, 4).map_err(Into::into)
         }) {
             Ok(0) => {
                 return Err(Error::new(

@@ -13,66 +13,34 @@
 //! store (Dekker): no wake-up is lost. The peer is another process that may be buggy: every
 //! counter read from shared memory is checked before use.
 
+use super::desc::{Desc, WORDS};
 use crate::loom::Padded;
-use crate::loom::sync::{AtomicU32, AtomicU64, Ordering, UnsafeCell, fence};
+use crate::loom::sync::{AtomicU32, AtomicU64, Ordering, fence};
 
-/// A descriptor: one message (or the end of the stream) published to the consumer.
-///
-/// `#[repr(C)]`, 128 bytes, plain data: no pointers, only offsets, all validated by the reader.
+/// One slot: a descriptor as sixteen words, each read and written with a relaxed atomic access
+/// (ordered by `tail` and `head`). A misbehaving peer that writes a slot while we read it can
+/// change the words we get — which `desc::check` then validates — but never races us: there is
+/// no non-atomic access to shared memory the peer can write.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Desc {
-    /// [`Desc::MESSAGE`].
-    pub(crate) kind: u8,
-    /// Message flags (REQUEST, RESPONSE).
-    pub(crate) flags: u8,
-    /// Length of the type.
-    pub(crate) type_len: u8,
-    /// Where the head (type + metadata) and the body are: see the `HEAD_*` / `BODY_*` bits.
-    pub(crate) place: u8,
-    /// Length of the encoded metadata.
-    pub(crate) meta_len: u32,
-    /// Correlation id.
-    pub(crate) correlation: u64,
-    /// Body length.
-    pub(crate) body_len: u64,
-    /// Arena offset of the body's block, or the sequence number of an external body.
-    pub(crate) body_at: u64,
-    /// Arena offset of the head's block when the head is not inline.
-    pub(crate) head_at: u64,
-    /// Type then metadata, when they fit ([`Desc::INLINE`] bytes).
-    pub(crate) inline: [u8; Desc::INLINE],
-}
+pub(crate) struct Slot([AtomicU64; WORDS]);
 
-impl Desc {
-    pub(crate) const MESSAGE: u8 = 1;
-    pub(crate) const INLINE: usize = 88;
-    /// The head is in the arena block at `head_at` (else inline).
-    pub(crate) const HEAD_IN_ARENA: u8 = 0b001;
-    /// The body is in the arena block at `body_at`.
-    pub(crate) const BODY_IN_ARENA: u8 = 0b010;
-    /// The body is an external memfd, number `body_at` in the order passed on the socket.
-    pub(crate) const BODY_EXTERNAL: u8 = 0b100;
-    /// The body follows the head in `inline` (small messages travel in the descriptor alone).
-    pub(crate) const BODY_INLINE: u8 = 0b1000;
+impl Slot {
+    pub(crate) fn new() -> Slot {
+        Slot(std::array::from_fn(|_| AtomicU64::new(0)))
+    }
 
-    pub(crate) const fn zeroed() -> Desc {
-        Desc {
-            kind: 0,
-            flags: 0,
-            type_len: 0,
-            place: 0,
-            meta_len: 0,
-            correlation: 0,
-            body_len: 0,
-            body_at: 0,
-            head_at: 0,
-            inline: [0; Desc::INLINE],
+    fn store(&self, words: &[u64; WORDS]) {
+        for (slot, w) in self.0.iter().zip(words) {
+            slot.store(*w, Ordering::Relaxed);
         }
+    }
+
+    fn load(&self) -> [u64; WORDS] {
+        std::array::from_fn(|i| self.0[i].load(Ordering::Relaxed))
     }
 }
 
-const _: () = assert!(std::mem::size_of::<Desc>() == 128);
+const _: () = assert!(std::mem::size_of::<Slot>() == 128);
 
 /// The shared control block of one direction. All-zero bytes are its initial state.
 #[repr(C)]
@@ -99,7 +67,7 @@ pub(crate) struct Control {
 pub(crate) trait RingStore {
     fn control(&self) -> &Control;
     /// Slot `i & mask`.
-    fn slot(&self, i: u64) -> &UnsafeCell<Desc>;
+    fn slot(&self, i: u64) -> &Slot;
     /// Number of slots, a power of two.
     fn capacity(&self) -> u64;
 }
@@ -164,13 +132,13 @@ impl<S: RingStore> Producer<S> {
 
     /// Writes `desc` into the next slot (not yet visible). Requires `free() > 0`.
     pub(crate) fn write(&mut self, desc: &Desc) {
-        debug_assert!(self.tail - self.seen_head < self.store.capacity());
-        // SAFETY: slot `tail` is outside the consumer's window `[head, published)`: the
-        // consumer reads only slots below `tail` as it loads it, and `tail - head <
-        // capacity` (checked by `free`), so no other party accesses this slot now.
-        self.store
-            .slot(self.tail)
-            .with_mut(|p| unsafe { p.write(*desc) });
+        // Slot `tail` is outside the consumer's window `[head, published)` as long as `tail -
+        // head < capacity`: the consumer reads only slots below the `tail` it loaded.
+        assert!(
+            self.tail - self.seen_head < self.store.capacity(),
+            "ring write without a free slot"
+        );
+        self.store.slot(self.tail).store(&desc.encode());
         self.tail += 1;
     }
 
@@ -263,15 +231,13 @@ impl<S: RingStore> Consumer<S> {
         Ok(self.seen_tail - self.head)
     }
 
-    /// The `i`-th available descriptor (`i < available()`), copied out of shared memory.
+    /// The `i`-th available descriptor (`i < available()`), copied out of shared memory (to be
+    /// validated with `desc::check`: a misbehaving peer could still write the slot).
     pub(crate) fn read(&self, i: u64) -> Desc {
-        debug_assert!(self.head + i < self.seen_tail);
-        // SAFETY: the slot is in `[head, tail)`, published by the producer (Acquire above) and
-        // not written again until `head` passes it. It is copied with a volatile read because
-        // a misbehaving peer could still write it; the copy is then validated field by field.
-        self.store
-            .slot(self.head + i)
-            .with(|p| unsafe { p.read_volatile() })
+        assert!(self.head + i < self.seen_tail, "ring read past the tail");
+        // The slot is in `[head, tail)`: published by the producer (Acquire in `available`)
+        // and not written again by a well-behaved producer until `head` passes it.
+        Desc::decode(&self.store.slot(self.head + i).load())
     }
 
     /// Frees the first `n` read descriptors' slots. Returns whether the producer sleeps and
@@ -340,7 +306,7 @@ pub(crate) mod heap {
 
     pub(crate) struct HeapRing {
         pub(crate) control: Control,
-        pub(crate) slots: Vec<UnsafeCell<Desc>>,
+        pub(crate) slots: Vec<Slot>,
     }
 
     impl HeapRing {
@@ -348,24 +314,16 @@ pub(crate) mod heap {
             assert!(capacity.is_power_of_two());
             Arc::new(HeapRing {
                 control: Control::default(),
-                slots: (0..capacity)
-                    .map(|_| UnsafeCell::new(Desc::zeroed()))
-                    .collect(),
+                slots: (0..capacity).map(|_| Slot::new()).collect(),
             })
         }
     }
-
-    // SAFETY: the slots are accessed only as the ring protocol allows (a slot is written by
-    // the producer outside the consumer's window and read by the consumer inside it, ordered
-    // by `tail`/`head`), exactly as in shared memory between processes.
-    #[cfg(not(hyperframes_loom))]
-    unsafe impl Sync for HeapRing {}
 
     impl RingStore for Arc<HeapRing> {
         fn control(&self) -> &Control {
             &self.control
         }
-        fn slot(&self, i: u64) -> &UnsafeCell<Desc> {
+        fn slot(&self, i: u64) -> &Slot {
             &self.slots[(i as usize) & (self.slots.len() - 1)]
         }
         fn capacity(&self) -> u64 {
@@ -447,7 +405,8 @@ mod loom_models {
     use std::sync::Arc as StdArc;
 
     /// Push and pop across a wrap-around: every descriptor arrives once, in order, with its
-    /// contents (loom checks the slot accesses for races).
+    /// contents (the slots' words are relaxed atomics: a missing Release/Acquire on `tail` or
+    /// `head` lets loom hand the consumer stale words, which the assertion catches).
     #[test]
     fn push_pop_wraps_in_order() {
         loom::model(|| {

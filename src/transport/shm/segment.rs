@@ -2,15 +2,23 @@
 //! control block and descriptors and the body arena, behind a header both sides validate.
 //!
 //! ```text
-//! 0       SegmentHeader (magic "HYPERSHM", version, sizes, direction offsets), one page
-//! dir[d]  Control (head, tail, sleep and close flags), rounded up to a page
-//!         ring_entries × Desc (128 bytes each)
-//!         arena (arena_len bytes, page aligned)
+//! 0        SegmentHeader, one page: magic "HYPERSHM", version, sizes, and for each direction
+//!          the offsets of its control block, slots and arena (all u64/u32 native-endian)
+//! dir[d]   Control (head, tail, sleep and close flags), rounded up to a page
+//! + slots  ring_entries × 128-byte descriptors (see `desc`)
+//! + arena  arena_len bytes, page aligned: blocks of a 64-byte header (reference count)
+//!          and the payload
 //! ```
 //!
 //! Direction 0 carries listener → connector, direction 1 connector → listener. The memfd is
 //! sealed against shrinking and growing, and the opener checks the seals, so a peer cannot
 //! truncate the file under our mapping (which would turn our next access into SIGBUS).
+//!
+//! Access to the mapping: the peer can write any byte of it at any time. Everything we read
+//! that the peer may write goes through atomics (the control block, the slots' words, the
+//! block counts) or an atomic word copy ([`ShmArena::copy_out`]); plain references into the
+//! mapping are handed out only for bodies when the peer is trusted with them (see the module
+//! docs of `shm`). Every pointer computed here is bounds-checked in release builds too.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::ptr::NonNull;
@@ -20,12 +28,12 @@ use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 
 use super::arena::{BLOCK_ALIGN, BlockRefs};
-use super::ring::{Control, Desc, RingStore};
-use crate::loom::sync::{AtomicU32, UnsafeCell};
+use super::ring::{Control, RingStore, Slot};
+use crate::loom::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::{Error, ErrorKind};
 
 const MAGIC: [u8; 8] = *b"HYPERSHM";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const PAGE: u64 = 4096;
 
 /// The segment header. Plain data written once by the creator before the segment is shared.
@@ -41,7 +49,11 @@ struct SegmentHeader {
     control_len: u32,
     _reserved: u32,
     arena_len: u64,
+    /// Offset of each direction's control block.
     dir: [u64; 2],
+    /// Offsets of the slots and of the arena, from the start of a direction.
+    slots_offset: u64,
+    arena_offset: u64,
 }
 
 /// Sizes of a segment.
@@ -57,7 +69,7 @@ impl Geometry {
     }
 
     fn slots_len(&self) -> u64 {
-        self.ring_entries as u64 * std::mem::size_of::<Desc>() as u64
+        self.ring_entries as u64 * std::mem::size_of::<Slot>() as u64
     }
 
     fn arena_offset(&self) -> u64 {
@@ -128,15 +140,18 @@ impl Mapping {
         self.len
     }
 
-    /// A pointer to `offset`, for a `T` that fits before the end.
+    /// A pointer to `offset`, for a `T` that fits before the end (checked).
     fn at<T>(&self, offset: u64) -> *mut T {
-        debug_assert!(offset as usize + std::mem::size_of::<T>() <= self.len);
+        let end = offset.checked_add(std::mem::size_of::<T>() as u64);
+        assert!(
+            end.is_some_and(|e| e <= self.len as u64),
+            "shared-memory access out of the mapping"
+        );
         debug_assert!(
             (self.ptr.as_ptr() as usize + offset as usize)
                 .is_multiple_of(std::mem::align_of::<T>())
         );
-        // SAFETY: in bounds (asserted above; callers compute offsets from a validated
-        // geometry), so the pointer stays inside the mapping.
+        // SAFETY: in bounds (checked above), so the pointer stays inside the mapping.
         unsafe { self.ptr.as_ptr().add(offset as usize).cast::<T>() }
     }
 }
@@ -199,11 +214,13 @@ impl Segment {
             header_len: std::mem::size_of::<SegmentHeader>() as u32,
             total_len: total,
             ring_entries: geometry.ring_entries,
-            desc_len: std::mem::size_of::<Desc>() as u32,
+            desc_len: std::mem::size_of::<Slot>() as u32,
             control_len: std::mem::size_of::<Control>() as u32,
             _reserved: 0,
             arena_len: geometry.arena_len,
             dir: [geometry.dir_offset(0), geometry.dir_offset(1)],
+            slots_offset: Geometry::control_area(),
+            arena_offset: geometry.arena_offset(),
         };
         // SAFETY: offset 0 is page aligned and a page long; nobody else maps the file yet.
         // The rest of the file is zero (fresh memfd), which is the initial state of `Control`,
@@ -247,7 +264,7 @@ impl Segment {
             )));
         }
         if h.header_len as usize != std::mem::size_of::<SegmentHeader>()
-            || h.desc_len as usize != std::mem::size_of::<Desc>()
+            || h.desc_len as usize != std::mem::size_of::<Slot>()
             || h.control_len as usize != std::mem::size_of::<Control>()
         {
             return Err(bad("its layout differs from this build's"));
@@ -260,6 +277,8 @@ impl Segment {
         if h.total_len != geometry.total_len()
             || h.total_len != size
             || h.dir != [geometry.dir_offset(0), geometry.dir_offset(1)]
+            || h.slots_offset != Geometry::control_area()
+            || h.arena_offset != geometry.arena_offset()
         {
             return Err(bad("its sizes do not add up"));
         }
@@ -314,12 +333,11 @@ impl RingStore for ShmRing {
         unsafe { &*self.seg.map.at::<Control>(self.base) }
     }
 
-    fn slot(&self, i: u64) -> &UnsafeCell<Desc> {
+    fn slot(&self, i: u64) -> &Slot {
         let offset = self.base + Geometry::control_area() + (i & self.mask) * 128;
-        // SAFETY: slot `i & mask` is inside the ring (validated geometry), 128-byte aligned;
-        // `UnsafeCell<Desc>` has `Desc`'s layout, and the ring protocol decides who accesses
-        // it (see `ring::Producer::write` and `ring::Consumer::read`).
-        unsafe { &*self.seg.map.at::<UnsafeCell<Desc>>(offset) }
+        // SAFETY: slot `i & mask` is inside the ring (validated geometry; `at` checks the
+        // bounds), 128-byte aligned; a `Slot` is sixteen atomics, valid for any bits.
+        unsafe { &*self.seg.map.at::<Slot>(offset) }
     }
 
     fn capacity(&self) -> u64 {
@@ -335,21 +353,54 @@ pub(crate) struct ShmArena {
 }
 
 impl ShmArena {
-    /// The payload bytes `[offset, offset + len)` of the arena (offsets validated by the
-    /// caller with `arena::validate`).
-    pub(crate) fn ptr(&self, offset: u64) -> *mut u8 {
-        debug_assert!(offset <= self.seg.geometry.arena_len);
-        // SAFETY: within the arena (caller-validated), hence within the mapping.
-        unsafe { self.seg.map.base().add((self.base + offset) as usize) }
+    /// A pointer to `len` bytes at `offset` of the arena (checked to lie inside it).
+    pub(crate) fn ptr(&self, offset: u64, len: u64) -> *mut u8 {
+        let arena_len = self.seg.geometry.arena_len;
+        assert!(
+            offset.checked_add(len).is_some_and(|end| end <= arena_len),
+            "arena access out of bounds"
+        );
+        // The arena lies inside the mapping (validated geometry); `at` checks it again.
+        self.seg.map.at::<u8>(self.base + offset)
+    }
+
+    /// Copies `len` bytes at `offset` (8-byte aligned) out of the arena with relaxed atomic
+    /// loads of whole words: a peer that writes them at the same time changes what we read,
+    /// never our memory's soundness. The last word is read whole; it lies inside the arena,
+    /// whose length is a multiple of 64.
+    pub(crate) fn copy_out(&self, offset: u64, len: usize) -> Vec<u8> {
+        let words = len.div_ceil(8);
+        assert!(offset.is_multiple_of(8), "unaligned arena copy");
+        let src = self.ptr(offset, words as u64 * 8).cast::<AtomicU64>();
+        let mut out = vec![0u8; words * 8];
+        for (i, chunk) in out.chunks_exact_mut(8).enumerate() {
+            // SAFETY: word `i` lies in the range checked by `ptr`, 8-byte aligned (arena and
+            // offset are), and shared memory is only ever accessed atomically here.
+            let w = unsafe { &*src.add(i) }.load(Ordering::Relaxed);
+            chunk.copy_from_slice(&w.to_ne_bytes());
+        }
+        out.truncate(len);
+        out
+    }
+
+    /// Copies `bytes` into the payload at `offset`, of a block this side allocated and has
+    /// not published (so no well-behaved peer reads it yet).
+    pub(crate) fn copy_in(&self, offset: u64, bytes: &[u8]) {
+        let dst = self.ptr(offset, bytes.len() as u64);
+        // SAFETY: `dst` spans `bytes.len()` bytes inside the arena (checked); `bytes` is
+        // process memory, so the two do not overlap. Only a misbehaving peer could touch the
+        // block now, and what it could change is what it reads.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len()) };
     }
 }
 
 impl BlockRefs for ShmArena {
     fn refs(&self, offset: u64) -> &AtomicU32 {
-        debug_assert!(offset.is_multiple_of(BLOCK_ALIGN) && offset < self.seg.geometry.arena_len);
-        // SAFETY: a block header is 64-byte aligned inside the arena (validated offset); its
+        assert!(offset.is_multiple_of(BLOCK_ALIGN), "unaligned block");
+        let p = self.ptr(offset, BLOCK_ALIGN).cast::<AtomicU32>();
+        // SAFETY: a block header is 64-byte aligned inside the arena (checked by `ptr`); its
         // first four bytes are the reference count, only ever accessed atomically.
-        unsafe { &*self.seg.map.at::<AtomicU32>(self.base + offset) }
+        unsafe { &*p }
     }
 
     fn len(&self) -> u64 {
