@@ -599,3 +599,94 @@ async fn dropping_a_sender_delivers_what_it_staged() {
         "every message accepted arrives",
     );
 }
+
+/// Regression (bind): binding `shm:///path` where a regular file lies refuses, and leaves the
+/// file as it was (it used to be deleted); nothing of the temporary name is left behind.
+#[tokio::test]
+async fn binding_over_a_file_that_is_not_a_socket_refuses() {
+    let dir = std::env::temp_dir().join(format!("hf-shm-file-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("data.sock");
+    std::fs::write(&path, b"precious").unwrap();
+    let e = ctx()
+        .bind(&format!("shm://{}", path.display()))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::AddrInUse, "{e}");
+    assert!(e.to_string().contains("not a socket"), "{e}");
+    assert_eq!(std::fs::read(&path).unwrap(), b"precious");
+    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+    assert_eq!(left.len(), 1, "only the file: {left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With `shm_allow_any_user` the socket is connectable by other users (0666; the credential
+/// check is what admits them); without, it is private (0600).
+#[tokio::test]
+async fn the_socket_mode_follows_who_may_connect() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("hf-shm-modes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (any, want) in [(false, 0o600), (true, 0o666)] {
+        let path = dir.join(format!("m{any}.sock"));
+        let ctx = Context::builder().shm_allow_any_user(any).build().unwrap();
+        let _l = ctx
+            .bind(&format!("shm://{}", path.display()))
+            .await
+            .unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, want, "any user: {any}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Regression (handshakes): connections that never answer the handshake are bounded — each
+/// costs a segment and descriptors until it times out — and a real client gets in once
+/// they are gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connections_are_bounded() {
+    let before = std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let ctx = Context::builder()
+        .shm_segment(64, 64 << 10)
+        .handshake_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let url = url("silent");
+    let mut l = ctx.bind(&url).await.unwrap();
+    let path = socket_path_of(&url);
+    let silent: Vec<_> = (0..150)
+        .map(|_| std::os::unix::net::UnixStream::connect(&path).unwrap())
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Ours: the 150 client ends, plus per handshake in progress the accepted socket, the
+    // segment and four wake-socket ends.
+    let held = std::fs::read_dir("/proc/self/fd").unwrap().count() - before - silent.len();
+    assert!(
+        held <= 32 * 6 + 16,
+        "{held} descriptors for silent connections"
+    );
+    // Once they go (or time out), a real client gets in.
+    drop(silent);
+    let (ch, accepted) = tokio::join!(
+        timeout(GUARD, ctx.connect(&url)),
+        timeout(GUARD, l.accept())
+    );
+    ch.unwrap().unwrap();
+    accepted.unwrap().unwrap();
+    assert!(
+        l.rejected() >= 32,
+        "the silent ones are refused: {}",
+        l.rejected()
+    );
+}
+
+fn socket_path_of(url: &str) -> std::path::PathBuf {
+    let name = url.trim_start_matches("shm://");
+    let dir = match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) if std::path::Path::new(&d).is_dir() => {
+            std::path::Path::new(&d).join("hyperframes")
+        }
+        _ => std::path::PathBuf::from(format!("/tmp/hyperframes-{}", rustix_uid())),
+    };
+    dir.join(format!("{name}.sock"))
+}
