@@ -160,7 +160,8 @@ pub mod bench_support {
     }
 
     impl RingProducer {
-        /// Writes and publishes a descriptor carrying `v`; false when the ring is full.
+        /// Writes and publishes a descriptor carrying `v` (with the wake-up check a send
+        /// makes); false when the ring is full.
         pub fn try_push(&mut self, v: u64) -> bool {
             if self.0.free().unwrap_or(0) == 0 {
                 return false;
@@ -178,12 +179,10 @@ pub mod bench_support {
     impl RingConsumer {
         /// Reads and frees the next descriptor, returning what it carries.
         pub fn try_pop(&mut self) -> Option<u64> {
-            if self.0.available().unwrap_or(0) == 0 {
-                return None;
-            }
-            let d = self.0.read(0);
-            self.0.consume(1);
-            Some(d.correlation)
+            let d = self.0.peek()?;
+            self.0.take();
+            self.0.consume();
+            Some(Desc::decode(&d).correlation)
         }
     }
 }

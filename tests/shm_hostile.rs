@@ -149,12 +149,24 @@ impl Raw {
         self.atomic32(self.dir[d] + self.arena_offset + offset)
     }
 
-    /// Control fields of direction `d` (see `ring::Control`).
+    /// Offsets of the control fields (see `ring::Control`): in segment layout 1, `tail`,
+    /// `head`, the two sleep flags, the two close flags, `ext_released`; from layout 3 on,
+    /// the slots carry sequence numbers and there is no `tail`.
+    fn control_fields(&self) -> &'static [u64] {
+        if self.u32_at(8) == 1 {
+            &[0, 128, 256, 384, 512, 516, 640]
+        } else {
+            &[0, 128, 256, 384, 388, 512]
+        }
+    }
+
     fn consumer_sleeping(&self, d: usize) -> &AtomicU32 {
-        self.atomic32(self.dir[d] + 256)
+        let at = if self.u32_at(8) == 1 { 256 } else { 128 };
+        self.atomic32(self.dir[d] + at)
     }
     fn producer_sleeping(&self, d: usize) -> &AtomicU32 {
-        self.atomic32(self.dir[d] + 384)
+        let at = if self.u32_at(8) == 1 { 384 } else { 256 };
+        self.atomic32(self.dir[d] + at)
     }
 
     /// Sends an external-body record with `fd` attached.
@@ -317,13 +329,20 @@ fn scribble(raw: &Raw, target: Target, mut x: u64, until: Instant) {
             }
             // A control field: counters, flags.
             1 => {
-                let field = [0u64, 128, 256, 384, 512, 516, 640][(r >> 16) as usize % 7];
+                let fields = raw.control_fields();
+                let field = fields[(r >> 16) as usize % fields.len()];
                 let v = match (r >> 24) % 3 {
                     0 => xorshift(&mut x),
                     1 => xorshift(&mut x) % 8,
                     _ => raw.u64_at(raw.dir[d]).wrapping_add(xorshift(&mut x) % 4),
                 };
-                if field == 512 || field == 516 {
+                // The sleep and close flags are 32 bits, the counters 64.
+                let narrow = if raw.u32_at(8) == 1 {
+                    (256..=516).contains(&field)
+                } else {
+                    (128..=388).contains(&field)
+                };
+                if narrow {
                     raw.atomic32(raw.dir[d] + field)
                         .store(v as u32, Ordering::Relaxed);
                 } else {

@@ -192,13 +192,17 @@ pub(crate) struct TypeCache(Option<MsgType>);
 
 impl TypeCache {
     pub(crate) fn get(&mut self, bytes: &[u8]) -> Result<MsgType, crate::message::InvalidType> {
-        if let Some(t) = &self.0
-            && t.as_bytes() == bytes
-        {
-            return Ok(t.clone());
+        self.lookup(bytes).cloned()
+    }
+
+    /// The type named `bytes`, validated (once per run of one type). A reference, so that
+    /// the caller clones it straight to where it goes: moving a `MsgType` through results and
+    /// tuples costs more than the lookup.
+    pub(crate) fn lookup(&mut self, bytes: &[u8]) -> Result<&MsgType, crate::message::InvalidType> {
+        let hit = matches!(&self.0, Some(t) if t.as_bytes() == bytes);
+        if !hit {
+            self.0 = Some(MsgType::from_wire(bytes)?);
         }
-        let t = MsgType::from_wire(bytes)?;
-        self.0 = Some(t.clone());
-        Ok(t)
+        Ok(self.0.as_ref().expect("just filled"))
     }
 }

@@ -49,10 +49,15 @@ use crate::{Error, ErrorKind, Message};
 /// Bodies up to this size are copied out of the arena on receive (and their block freed at
 /// once): cheaper than a lease, and it keeps small messages from pinning the arena.
 const COPY_MAX: u64 = 1024;
-/// Descriptors taken per receive batch.
+/// Descriptors read before their slots are handed back to the producer (sooner when the ring
+/// runs empty).
 const BATCH: u64 = 64;
-/// Descriptors written before they are published without waiting for a flush.
+/// Descriptors written before the producer checks whether the consumer sleeps (it always
+/// does before it waits or returns from a send).
 const PUBLISH_EVERY: u64 = 64;
+/// Small received parts (inline bodies, metadata) are copied into chunks of this size, one
+/// allocation per chunk instead of one per part.
+const CHUNK: usize = 16 << 10;
 /// How long a side waiting for data or room spins before it parks: long enough to catch a
 /// reply in a request/response exchange (a round trip is a microsecond or two) without
 /// sleeping, short enough not to burn a core on an idle channel.
@@ -462,19 +467,18 @@ impl ShmSender {
                 return Ok(Err((msg, NoRoom::Socket)));
             }
         }
-        let mut d = Desc {
-            kind: Desc::MESSAGE,
-            flags: header.flags.bits(),
-            type_len: kind.len() as u8,
-            meta_len: meta.len() as u32,
-            correlation: header.correlation,
+        let mut d = desc::Builder::new(
+            Desc::MESSAGE,
+            header.flags.bits(),
+            kind.len() as u8,
+            meta.len() as u32,
+            header.correlation,
             body_len,
-            ..Desc::zeroed()
-        };
+        );
         let head_block = match plan.head {
             HeadPlace::Inline => {
-                d.inline[..kind.len()].copy_from_slice(kind.as_bytes());
-                d.inline[kind.len()..head_len].copy_from_slice(meta);
+                d.inline(kind.as_bytes());
+                d.inline(meta);
                 None
             }
             HeadPlace::Block => {
@@ -484,8 +488,8 @@ impl ShmSender {
                 let p = desc::payload(at);
                 self.refs.copy_in(p, kind.as_bytes());
                 self.refs.copy_in(p + kind.len() as u64, meta);
-                d.place |= Desc::HEAD_IN_ARENA;
-                d.head_at = at;
+                d.place(Desc::HEAD_IN_ARENA);
+                d.head_at(at);
                 Some(at)
             }
         };
@@ -493,16 +497,16 @@ impl ShmSender {
         match plan.body {
             BodyPlace::Empty => {}
             BodyPlace::Inline => {
-                d.inline[head_len..head_len + body_len as usize].copy_from_slice(bytes());
-                d.place |= Desc::BODY_INLINE;
+                d.inline(bytes());
+                d.place(Desc::BODY_INLINE);
             }
             BodyPlace::InPlace => {
                 // Allocated in place in this arena (its hold is kept by the body we have):
                 // the receiver takes a reference.
                 let at = in_place.expect("planned in place");
                 arena::retain(&self.refs, at);
-                d.place |= Desc::BODY_IN_ARENA;
-                d.body_at = at;
+                d.place(Desc::BODY_IN_ARENA);
+                d.body_at(at);
             }
             BodyPlace::Copy => {
                 let Some(at) = self.arena.alloc(&self.refs, body_len, 1) else {
@@ -512,15 +516,18 @@ impl ShmSender {
                     return Ok(Err((msg, NoRoom::Arena)));
                 };
                 self.refs.copy_in(desc::payload(at), bytes());
-                d.place |= Desc::BODY_IN_ARENA;
-                d.body_at = at;
+                d.place(Desc::BODY_IN_ARENA);
+                d.body_at(at);
             }
             BodyPlace::External => {
-                d.body_at = self.send_external(bytes())?;
-                d.place |= Desc::BODY_EXTERNAL;
+                d.body_at(self.send_external(bytes())?);
+                d.place(Desc::BODY_EXTERNAL);
             }
         }
-        self.ring.write(&d);
+        // The message (its body's reference count among it) goes before the slot is written:
+        // a locked decrement after the slot's stores would wait for their cache lines.
+        drop(msg);
+        self.ring.write_words(d.words());
         if self.ring.unpublished() >= PUBLISH_EVERY {
             self.publish();
         }
@@ -724,7 +731,6 @@ impl ShmSender {
 
 impl SendHalf for ShmSender {
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
-        self.check()?;
         if !self.staged.is_empty() {
             match self.poll_drain(cx) {
                 Poll::Ready(r) => r?,
@@ -738,8 +744,10 @@ impl SendHalf for ShmSender {
     }
 
     fn start_send(&mut self, msg: Message) -> Result<()> {
-        if let Err(e) = self.check() {
-            return Err(e.with_message(msg));
+        // `poll_ready` checked the connection just before (the Sink contract); a peer that
+        // went since then is reported on the next call.
+        if self.closed {
+            return Err(Error::new(ErrorKind::Closed, "sender closed").with_message(msg));
         }
         if !self.staged.is_empty() {
             self.staged.push_back(msg);
@@ -950,8 +958,23 @@ pub(crate) struct ShmReceiver {
     limits: Limits,
     bounds: Bounds,
     types: TypeCache,
-    batch: VecDeque<Message>,
+    chunk: Chunk,
     done: bool,
+}
+
+/// Where small received parts are copied: a shared buffer split into `Bytes`, so a message
+/// costs no allocation of its own (a part keeps its chunk alive while it lives).
+#[derive(Default)]
+struct Chunk(bytes::BytesMut);
+
+impl Chunk {
+    fn copy(&mut self, bytes: &[u8]) -> Bytes {
+        if self.0.capacity() - self.0.len() < bytes.len() {
+            self.0 = bytes::BytesMut::with_capacity(CHUNK.max(bytes.len()));
+        }
+        self.0.extend_from_slice(bytes);
+        self.0.split().freeze()
+    }
 }
 
 enum Step {
@@ -974,22 +997,23 @@ impl ShmReceiver {
             sh,
             limits,
             types: TypeCache::default(),
-            batch: VecDeque::new(),
+            chunk: Chunk::default(),
             done: false,
         }
     }
 
-    fn release(&self, at: u64) {
-        if arena::release(&self.refs, at) {
-            self.sh.wake_peer_sender();
+    /// Hands the slots read so far back to the producer.
+    fn consume(&mut self) {
+        if self.ring.consume() {
+            wake(&self.sh.space);
         }
     }
 
     /// Decodes one descriptor: checked first, then its parts taken. Nothing is released or
     /// taken unless the whole message can be (an external body that has not arrived leaves
     /// the descriptor as it was, to be decoded again).
-    fn decode(&mut self, d: &Desc) -> Result<Step> {
-        let l: Layout = desc::check(d, &self.bounds).map_err(corrupt)?;
+    fn decode(&mut self, w: &[u64; desc::WORDS]) -> Result<Step> {
+        let l: Layout = desc::check_words(w, &self.bounds).map_err(corrupt)?;
         let external = match l.body {
             Part::External { seq, len } => {
                 let mut ext = self.sh.lock_external();
@@ -1007,52 +1031,60 @@ impl ShmReceiver {
             _ => None,
         };
         // The head, copied out of shared memory before it is parsed.
-        let (kind, meta) = match l.head {
-            Part::Inline { at, len } => desc::head(
-                &d.inline[at..at + len],
-                l.type_len,
-                &mut self.types,
-                self.limits.max_meta_entries,
-            ),
+        let ShmReceiver {
+            sh,
+            refs,
+            limits,
+            types,
+            chunk,
+            ..
+        } = self;
+        let max_entries = limits.max_meta_entries;
+        let inline = desc::inline_bytes(w);
+        let head_block;
+        let head_bytes = match l.head {
+            Part::Inline { at, len } => &inline[at..at + len],
             Part::Block { block, len } => {
-                let bytes = self.refs.copy_out(desc::payload(block), len as usize);
-                self.release(block);
-                desc::head(
-                    &bytes,
-                    l.type_len,
-                    &mut self.types,
-                    self.limits.max_meta_entries,
-                )
+                head_block = refs.copy_out(desc::payload(block), len as usize);
+                if arena::release(refs, block) {
+                    sh.wake_peer_sender();
+                }
+                &head_block[..]
             }
             _ => unreachable!("desc::check places heads inline or in a block"),
-        }
+        };
+        let (kind, meta) = desc::head(head_bytes, l.type_len, types, max_entries, |m| {
+            chunk.copy(m)
+        })
         .map_err(corrupt)?;
         let body = match l.body {
             Part::Empty => Bytes::new(),
-            Part::Inline { at, len } => Bytes::copy_from_slice(&d.inline[at..at + len]),
+            Part::Inline { at, len } => chunk.copy(&inline[at..at + len]),
             Part::Block { block, len } => {
                 let at = desc::payload(block);
-                if len <= COPY_MAX || !self.sh.zero_copy {
-                    let b = Bytes::from(self.refs.copy_out(at, len as usize));
-                    self.release(block);
+                if len <= COPY_MAX || !sh.zero_copy {
+                    let b = Bytes::from(refs.copy_out(at, len as usize));
+                    if arena::release(refs, block) {
+                        sh.wake_peer_sender();
+                    }
                     b
                 } else {
                     Bytes::from_owner(RecvLease {
-                        sh: self.sh.clone(),
-                        refs: self.refs.clone(),
+                        sh: sh.clone(),
+                        refs: refs.clone(),
                         block,
-                        ptr: self.refs.ptr(at, len),
+                        ptr: refs.ptr(at, len),
                         len: len as usize,
                     })
                 }
             }
             Part::External { .. } => Bytes::from_owner(ExternalBody {
                 map: external.expect("taken above"),
-                sh: self.sh.clone(),
+                sh: sh.clone(),
             }),
         };
         Ok(Step::Message(Message::from_parts(
-            kind,
+            kind.clone(),
             meta,
             Body::from(body),
             Header {
@@ -1062,70 +1094,50 @@ impl ShmReceiver {
         )))
     }
 
-    /// Takes up to a batch of published descriptors into `batch`.
-    fn fill(&mut self) -> Result<Filled> {
-        let n = self.ring.available().map_err(corrupt)?.min(BATCH);
-        let mut taken = 0;
-        let mut waiting = false;
-        for i in 0..n {
-            let d = self.ring.read(i);
-            match self.decode(&d)? {
-                Step::Message(m) => self.batch.push_back(m),
-                Step::WaitExternal => {
-                    waiting = true;
-                    break;
-                }
-            }
-            taken += 1;
-        }
-        if taken > 0 && self.ring.consume(taken) {
-            wake(&self.sh.space);
-        }
-        Ok(if taken > 0 {
-            Filled::Some
-        } else if waiting {
-            Filled::WaitExternal
-        } else {
-            Filled::Empty
-        })
-    }
-
     fn poll_inner(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message>>> {
         loop {
-            if let Some(m) = self.batch.pop_front() {
-                return Poll::Ready(Some(Ok(m)));
-            }
-            match self.fill()? {
-                Filled::Some => continue,
-                Filled::WaitExternal => {
-                    // The next descriptor's body is a memfd that has not come through the
-                    // socket yet: the watcher wakes us when it does (or when the peer is gone).
-                    self.sh.rx_waker.register(cx.waker());
-                    if !self.sh.lock_external().queue.is_empty() {
-                        continue;
+            if let Some(d) = self.ring.peek() {
+                match self.decode(&d)? {
+                    Step::Message(m) => {
+                        self.ring.take();
+                        if self.ring.taken() >= BATCH {
+                            self.consume();
+                        }
+                        return Poll::Ready(Some(Ok(m)));
                     }
-                    if self.sh.gone() {
-                        return Poll::Ready(Some(Err(self
-                            .sh
-                            .gone_error("went away while sending a large body"))));
+                    Step::WaitExternal => {
+                        // The next descriptor's body is a memfd that has not come through the
+                        // socket yet: the watcher wakes us when it does (or when the peer is
+                        // gone).
+                        self.consume();
+                        self.sh.rx_waker.register(cx.waker());
+                        if !self.sh.lock_external().queue.is_empty() {
+                            continue;
+                        }
+                        if self.sh.gone() {
+                            return Poll::Ready(Some(Err(self
+                                .sh
+                                .gone_error("went away while sending a large body"))));
+                        }
+                        return Poll::Pending;
                     }
-                    return Poll::Pending;
                 }
-                Filled::Empty => {}
             }
-            if self.ring.is_finished().map_err(corrupt)? {
+            // Nothing ready: hand back the slots read so far before waiting.
+            self.consume();
+            if self.ring.is_finished() {
                 return Poll::Ready(None);
             }
             if self.sh.gone() {
                 // Published before the peer went? Take it first.
-                if self.sh.fault.get().is_none() && self.ring.available().map_err(corrupt)? > 0 {
+                if self.sh.fault.get().is_none() && self.ring.ready() {
                     continue;
                 }
                 return Poll::Ready(Some(Err(self
                     .sh
                     .gone_error("went away without closing the channel"))));
             }
-            if spin_until(|| Ok(self.ring.available().map_err(corrupt)? > 0 || self.sh.gone()))? {
+            if spin_until(|| Ok(self.ring.ready() || self.sh.gone()))? {
                 continue;
             }
             if self.sh.busy_poll {
@@ -1134,10 +1146,7 @@ impl ShmReceiver {
             }
             self.sh.rx_waker.register(cx.waker());
             self.ring.prepare_park();
-            if self.ring.available().map_err(corrupt)? > 0
-                || self.ring.is_finished().map_err(corrupt)?
-                || self.sh.gone()
-            {
+            if self.ring.ready() || self.ring.is_finished() || self.sh.gone() {
                 self.ring.cancel_park();
                 continue;
             }
@@ -1147,12 +1156,6 @@ impl ShmReceiver {
             }
         }
     }
-}
-
-enum Filled {
-    Some,
-    Empty,
-    WaitExternal,
 }
 
 impl RecvHalf for ShmReceiver {
@@ -1181,13 +1184,6 @@ impl RecvHalf for ShmReceiver {
 
 impl Drop for ShmReceiver {
     fn drop(&mut self) {
-        let queued = self.batch.len();
-        if queued > 0 {
-            tracing::debug!(
-                messages = queued,
-                "shm receiver dropped with messages taken but not read"
-            );
-        }
         // STOP: the peer's Sender fails from now on. Wake it in case it waits for room.
         self.ring.close();
         wake(&self.sh.space);

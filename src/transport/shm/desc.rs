@@ -1,23 +1,26 @@
 //! The descriptor of one message in the `shm://` ring, and the two pure functions around it:
 //! where a message's parts go on send ([`plan`]) and what a received descriptor may point at
-//! ([`check`]), plus the parsing of a received head ([`head`]). No I/O, no unsafe, no shared
+//! ([`check_words`]), plus the parsing of a received head ([`head`]). No I/O, no unsafe, no shared
 //! memory here: the ring moves descriptors as sixteen words, `conn` owns the arena and the
 //! sockets. Everything a peer wrote is checked by these functions before anything is read
 //! through it, so they are property-tested against arbitrary words and bytes.
 //!
 //! # Layout
 //!
-//! A descriptor is 128 bytes, sixteen native-endian `u64` words (both ends run on one host):
+//! A descriptor is 128 bytes, sixteen native-endian `u64` words (both ends run on one host);
+//! the first is the ring's sequence number (see `ring`), the rest the message's:
 //!
 //! ```text
-//! word 0       kind: u8 | flags: u8 | type_len: u8 | place: u8 | meta_len: u32   (low byte first)
-//! word 1       correlation id
-//! word 2       body length in bytes
-//! word 3       body: arena offset of its block (BODY_IN_ARENA), or the sequence number of an
+//! word 0       sequence number (i + 1 for message i): written last, publishes the slot
+//! word 1       kind: u8 | flags: u8 | type_len: u8 | place: u8 | meta_len: u32   (low byte first)
+//! word 2       correlation id
+//! word 3       body length in bytes
+//! word 4       body: arena offset of its block (BODY_IN_ARENA), or the sequence number of an
 //!              external body (BODY_EXTERNAL)
-//! word 4       head: arena offset of its block (HEAD_IN_ARENA)
-//! words 5..16  88 inline bytes: the type, then the metadata (unless HEAD_IN_ARENA), then a
-//!              small body (BODY_INLINE)
+//! word 5       head: arena offset of its block (HEAD_IN_ARENA)
+//! words 6..16  80 inline bytes: the type, then the metadata (unless HEAD_IN_ARENA), then a
+//!              small body (BODY_INLINE); inline byte i is byte i % 8 of word 6 + i / 8,
+//!              counting from the least significant
 //! ```
 //!
 //! The head is the type followed by the encoded metadata (`Meta`'s wire form). An arena block
@@ -27,10 +30,10 @@
 //!
 //! | part | where |
 //! |---|---|
-//! | head ≤ 88 bytes | inline |
+//! | head ≤ 80 bytes | inline |
 //! | longer head | an arena block of its own |
 //! | empty body | nowhere |
-//! | head inline, head + body ≤ 88 bytes | inline, after the head |
+//! | head inline, head + body ≤ 80 bytes | inline, after the head |
 //! | body allocated in this arena (`Sender::alloc`) | where it is: the receiver takes a reference |
 //! | body larger than the arena | a sealed memfd of its own, passed on the rendezvous socket |
 //! | any other body | copied into an arena block |
@@ -74,7 +77,7 @@ pub(crate) struct Desc {
 
 impl Desc {
     pub(crate) const MESSAGE: u8 = 1;
-    pub(crate) const INLINE: usize = 88;
+    pub(crate) const INLINE: usize = 80;
     /// The head is in the arena block at `head_at` (else inline).
     pub(crate) const HEAD_IN_ARENA: u8 = 0b0001;
     /// The body is in the arena block at `body_at`.
@@ -101,44 +104,104 @@ impl Desc {
         }
     }
 
+    /// The descriptor's words (word 0, the ring's sequence number, left zero).
     pub(crate) fn encode(&self) -> [u64; WORDS] {
-        let mut w = [0u64; WORDS];
-        w[0] = u64::from(self.kind)
-            | u64::from(self.flags) << 8
-            | u64::from(self.type_len) << 16
-            | u64::from(self.place) << 24
-            | u64::from(self.meta_len) << 32;
-        w[1] = self.correlation;
-        w[2] = self.body_len;
-        w[3] = self.body_at;
-        w[4] = self.head_at;
-        for (word, bytes) in w[5..].iter_mut().zip(self.inline.chunks_exact(8)) {
-            *word = u64::from_ne_bytes(bytes.try_into().expect("8 bytes"));
-        }
-        w
+        let mut b = Builder::new(
+            self.kind,
+            self.flags,
+            self.type_len,
+            self.meta_len,
+            self.correlation,
+            self.body_len,
+        );
+        b.place(self.place);
+        b.body_at(self.body_at);
+        b.head_at(self.head_at);
+        b.inline(&self.inline);
+        *b.words()
     }
 
+    /// A descriptor from its words (word 0 ignored).
     pub(crate) fn decode(w: &[u64; WORDS]) -> Desc {
-        let mut inline = [0u8; Desc::INLINE];
-        for (bytes, word) in inline.chunks_exact_mut(8).zip(&w[5..]) {
-            bytes.copy_from_slice(&word.to_ne_bytes());
-        }
         Desc {
-            kind: w[0] as u8,
-            flags: (w[0] >> 8) as u8,
-            type_len: (w[0] >> 16) as u8,
-            place: (w[0] >> 24) as u8,
-            meta_len: (w[0] >> 32) as u32,
-            correlation: w[1],
-            body_len: w[2],
-            body_at: w[3],
-            head_at: w[4],
-            inline,
+            kind: w[1] as u8,
+            flags: (w[1] >> 8) as u8,
+            type_len: (w[1] >> 16) as u8,
+            place: (w[1] >> 24) as u8,
+            meta_len: (w[1] >> 32) as u32,
+            correlation: w[2],
+            body_len: w[3],
+            body_at: w[4],
+            head_at: w[5],
+            inline: inline_bytes(w),
         }
     }
 }
 
-const _: () = assert!(Desc::INLINE == (WORDS - 5) * 8);
+/// Builds a descriptor's words the way the sender does: fields by shifts, inline bytes into a
+/// buffer turned into words at the end (no [`Desc`] with its byte fields in between).
+pub(crate) struct Builder {
+    w: [u64; WORDS],
+    inline: [u8; Desc::INLINE],
+    /// Next inline byte.
+    at: usize,
+}
+
+impl Builder {
+    pub(crate) fn new(
+        kind: u8,
+        flags: u8,
+        type_len: u8,
+        meta_len: u32,
+        correlation: u64,
+        body_len: u64,
+    ) -> Builder {
+        let mut w = [0u64; WORDS];
+        w[1] = u64::from(kind)
+            | u64::from(flags) << 8
+            | u64::from(type_len) << 16
+            | u64::from(meta_len) << 32;
+        w[2] = correlation;
+        w[3] = body_len;
+        Builder {
+            w,
+            inline: [0; Desc::INLINE],
+            at: 0,
+        }
+    }
+
+    /// Adds placement bits.
+    pub(crate) fn place(&mut self, bits: u8) {
+        self.w[1] |= u64::from(bits) << 24;
+    }
+
+    pub(crate) fn body_at(&mut self, at: u64) {
+        self.w[4] = at;
+    }
+
+    pub(crate) fn head_at(&mut self, at: u64) {
+        self.w[5] = at;
+    }
+
+    /// Appends `src` to the inline bytes. The caller keeps the total within
+    /// [`Desc::INLINE`] (what `plan` decided); more is cut off, never written elsewhere.
+    pub(crate) fn inline(&mut self, src: &[u8]) {
+        let end = (self.at + src.len()).min(Desc::INLINE);
+        let n = end - self.at;
+        self.inline[self.at..end].copy_from_slice(&src[..n]);
+        self.at = end;
+    }
+
+    /// The descriptor's words (word 0, the ring's, zero).
+    pub(crate) fn words(&mut self) -> &[u64; WORDS] {
+        for (word, bytes) in self.w[6..].iter_mut().zip(self.inline.chunks_exact(8)) {
+            *word = u64::from_le_bytes(bytes.try_into().expect("8 bytes"));
+        }
+        &self.w
+    }
+}
+
+const _: () = assert!(Desc::INLINE == (WORDS - 6) * 8);
 
 // ------------------------------------------------------------------------------ send side
 
@@ -263,31 +326,38 @@ fn block(arena_len: u64, offset: u64, len: u64, what: &str) -> Result<Part, Inva
         })
 }
 
-/// Checks a descriptor a peer wrote. Nothing is read through it before this returns `Ok`.
-pub(crate) fn check(d: &Desc, b: &Bounds) -> Result<Layout, Invalid> {
-    if d.kind != Desc::MESSAGE {
-        return Err(invalid(format!("descriptor kind {}", d.kind)));
+/// Checks a descriptor a peer wrote, as its words were loaded from the slot. Nothing is read
+/// through it before this returns `Ok`. (No [`Desc`] is built on the receive path: its byte
+/// fields, stored one by one and then moved as a whole, cost store-forwarding stalls.)
+pub(crate) fn check_words(w: &[u64; WORDS], b: &Bounds) -> Result<Layout, Invalid> {
+    let kind = w[1] as u8;
+    let flags = (w[1] >> 8) as u8;
+    let type_len = usize::from((w[1] >> 16) as u8);
+    let place = (w[1] >> 24) as u8;
+    let meta_len = (w[1] >> 32) as u32;
+    let (correlation, body_len, body_at, head_at) = (w[2], w[3], w[4], w[5]);
+    if kind != Desc::MESSAGE {
+        return Err(invalid(format!("descriptor kind {kind}")));
     }
-    let flags = Flags::from_bits(d.flags).ok_or_else(|| invalid("reserved flag bits"))?;
-    if d.place & !Desc::ALL_BITS != 0 {
-        return Err(invalid(format!("unknown placement bits {:#x}", d.place)));
+    let flags = Flags::from_bits(flags).ok_or_else(|| invalid("reserved flag bits"))?;
+    if place & !Desc::ALL_BITS != 0 {
+        return Err(invalid(format!("unknown placement bits {place:#x}")));
     }
-    let type_len = usize::from(d.type_len);
-    if type_len == 0 || d.meta_len > b.max_meta_bytes {
+    if type_len == 0 || meta_len > b.max_meta_bytes {
         return Err(invalid(format!(
-            "type of {type_len} bytes, metadata of {} bytes (max {})",
-            d.meta_len, b.max_meta_bytes
+            "type of {type_len} bytes, metadata of {meta_len} bytes (max {})",
+            b.max_meta_bytes
         )));
     }
-    if d.body_len > b.max_body {
+    if body_len > b.max_body {
         return Err(invalid(format!(
-            "body of {} bytes exceeds max_body of {}",
-            d.body_len, b.max_body
+            "body of {body_len} bytes exceeds max_body of {}",
+            b.max_body
         )));
     }
-    let head_len = type_len + d.meta_len as usize;
-    let head = if d.place & Desc::HEAD_IN_ARENA != 0 {
-        block(b.arena_len, d.head_at, head_len as u64, "head")?
+    let head_len = type_len + meta_len as usize;
+    let head = if place & Desc::HEAD_IN_ARENA != 0 {
+        block(b.arena_len, head_at, head_len as u64, "head")?
     } else if head_len <= Desc::INLINE {
         Part::Inline {
             at: 0,
@@ -296,7 +366,7 @@ pub(crate) fn check(d: &Desc, b: &Bounds) -> Result<Layout, Invalid> {
     } else {
         return Err(invalid("inline head longer than the descriptor"));
     };
-    let body = match (d.place & Desc::BODY_BITS, d.body_len) {
+    let body = match (place & Desc::BODY_BITS, body_len) {
         (0, 0) => Part::Empty,
         (0, _) => return Err(invalid("a body with no placement")),
         (_, 0) => return Err(invalid("a placement for an empty body")),
@@ -307,42 +377,51 @@ pub(crate) fn check(d: &Desc, b: &Bounds) -> Result<Layout, Invalid> {
             },
             _ => return Err(invalid("inline body does not fit the descriptor")),
         },
-        (Desc::BODY_IN_ARENA, len) => block(b.arena_len, d.body_at, len, "body")?,
-        (Desc::BODY_EXTERNAL, len) => Part::External {
-            seq: d.body_at,
-            len,
-        },
+        (Desc::BODY_IN_ARENA, len) => block(b.arena_len, body_at, len, "body")?,
+        (Desc::BODY_EXTERNAL, len) => Part::External { seq: body_at, len },
         _ => return Err(invalid("inconsistent body placement")),
     };
     Ok(Layout {
         flags,
-        correlation: d.correlation,
+        correlation,
         type_len,
         head,
         body,
     })
 }
 
+/// The inline bytes of a descriptor's words.
+pub(crate) fn inline_bytes(w: &[u64; WORDS]) -> [u8; Desc::INLINE] {
+    let mut out = [0u8; Desc::INLINE];
+    for (bytes, word) in out.chunks_exact_mut(8).zip(&w[6..]) {
+        bytes.copy_from_slice(&word.to_le_bytes());
+    }
+    out
+}
+
 /// Parses a received head (type then encoded metadata, `type_len` bytes of type), validating
-/// both. The metadata is copied into a buffer of its own.
-pub(crate) fn head(
+/// both: the type (from `types`, to be cloned where it goes) and the metadata, copied out with
+/// `copy`.
+pub(crate) fn head<'t>(
     bytes: &[u8],
     type_len: usize,
-    types: &mut TypeCache,
+    types: &'t mut TypeCache,
     max_meta_entries: u16,
-) -> Result<(MsgType, Meta), Invalid> {
+    copy: impl FnOnce(&[u8]) -> Bytes,
+) -> Result<(&'t MsgType, Meta), Invalid> {
     let (kind, meta) = bytes
         .split_at_checked(type_len)
         .ok_or_else(|| invalid("head shorter than its type"))?;
-    let kind = types.get(kind).map_err(|e| invalid(format!("type: {e}")))?;
+    let kind = match types.lookup(kind) {
+        Ok(k) => k,
+        Err(e) => return Err(invalid(format!("type: {e}"))),
+    };
+    if meta.is_empty() {
+        return Ok((kind, Meta::new()));
+    }
     Meta::validate_wire(meta, usize::from(max_meta_entries))
         .map_err(|e| invalid(format!("metadata: {e}")))?;
-    let meta = if meta.is_empty() {
-        Meta::new()
-    } else {
-        Meta::from_valid_wire(Bytes::copy_from_slice(meta))
-    };
-    Ok((kind, meta))
+    Ok((kind, Meta::from_valid_wire(copy(meta))))
 }
 
 /// The payload offset of a block.
@@ -405,7 +484,28 @@ mod tests {
 
         #[test]
         fn words_round_trip(w in prop::array::uniform16(any::<u64>())) {
-            prop_assert_eq!(Desc::decode(&w).encode(), w);
+            let back = Desc::decode(&w).encode();
+            prop_assert_eq!(&back[1..], &w[1..]);
+            prop_assert_eq!(back[0], 0);
+        }
+
+        /// The builder packs any split of the inline bytes as `Desc` lays them out.
+        #[test]
+        fn builder_packs_inline_bytes(
+            bytes in prop::collection::vec(any::<u8>(), 0..=Desc::INLINE),
+            cuts in prop::collection::vec(0usize..=Desc::INLINE, 0..4),
+        ) {
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(bytes.len())).collect();
+            cuts.sort_unstable();
+            let mut b = Builder::new(1, 0, 1, 0, 0, 0);
+            let mut from = 0;
+            for c in cuts.into_iter().chain([bytes.len()]) {
+                b.inline(&bytes[from..c]);
+                from = c;
+            }
+            let got = inline_bytes(b.words());
+            prop_assert_eq!(&got[..bytes.len()], &bytes[..]);
+            prop_assert!(got[bytes.len()..].iter().all(|&x| x == 0));
         }
 
         /// Whatever the peer wrote, `check` returns, and what it accepts lies in bounds and
@@ -413,7 +513,7 @@ mod tests {
         #[test]
         fn check_accepts_only_what_is_in_bounds(d in arb_desc(), arena_kib in 4u64..2048) {
             let b = Bounds { arena_len: arena_kib * 1024, ..BOUNDS };
-            if let Ok(l) = check(&d, &b) {
+            if let Ok(l) = check_words(&d.encode(), &b) {
                 prop_assert!(within(l.head, &b));
                 prop_assert!(within(l.body, &b));
                 let head_ok = matches!(l.head, Part::Inline { at: 0, .. } | Part::Block { .. });
@@ -445,7 +545,7 @@ mod tests {
             type_len in 0usize..40,
         ) {
             let mut types = TypeCache::default();
-            if let Ok((kind, meta)) = head(&bytes, type_len, &mut types, 32) {
+            if let Ok((kind, meta)) = head(&bytes, type_len, &mut types, 32, Bytes::copy_from_slice) {
                 prop_assert_eq!(kind.as_bytes(), &bytes[..type_len]);
                 prop_assert_eq!(meta.as_wire(), &bytes[type_len..]);
             }
@@ -497,7 +597,7 @@ mod tests {
                     d.body_at = 7;
                 }
             }
-            let l = check(&Desc::decode(&d.encode()), &b).expect("accepted");
+            let l = check_words(&d.encode(), &b).expect("accepted");
             let head_block = matches!(l.head, Part::Block { .. });
             prop_assert_eq!(head_block, p.head == HeadPlace::Block);
             let expect_body = match p.body {
@@ -517,7 +617,7 @@ mod tests {
             type_len: 3,
             ..Desc::zeroed()
         };
-        assert!(check(&ok, &BOUNDS).is_ok());
+        assert!(check_words(&ok.encode(), &BOUNDS).is_ok());
         let cases = [
             (Desc { kind: 9, ..ok }, "kind"),
             (Desc { flags: 0x80, ..ok }, "flag"),
@@ -566,7 +666,7 @@ mod tests {
             (
                 Desc {
                     place: Desc::BODY_INLINE,
-                    body_len: 86,
+                    body_len: 78,
                     ..ok
                 },
                 "does not fit",
@@ -582,7 +682,7 @@ mod tests {
             (Desc { meta_len: 86, ..ok }, "inline head longer"),
         ];
         for (d, want) in cases {
-            let e = check(&d, &BOUNDS).unwrap_err();
+            let e = check_words(&d.encode(), &BOUNDS).unwrap_err();
             assert!(e.0.contains(want), "{d:?}: {e} (want {want:?})");
         }
     }

@@ -1,26 +1,33 @@
 //! The descriptor ring of one direction: a lock-free single-producer single-consumer queue
-//! of fixed-size [`Desc`]s in shared memory, with a sleep/wake protocol.
+//! of fixed-size descriptors in shared memory, with a sleep/wake protocol.
 //!
-//! `head` and `tail` are monotonic 64-bit counters (never wrap in practice); slot `i` is
-//! `i & mask`. Only the producer writes `tail` and the slots at `tail`, only the consumer
-//! writes `head`; each keeps a cached copy of the other's counter and rereads it only when
-//! the cache says full (producer) or empty (consumer).
+//! Each slot carries a sequence number in its first word: the producer writes the rest of
+//! the slot, then stores `i + 1` there (Release) for message `i`, which publishes it; the
+//! consumer polls the word of the slot it expects next (Acquire) and reads the slot once it
+//! holds `head + 1`. So a message costs the consumer one cache-line transfer of the slot
+//! (both lines arrive together, see [`Slot::ready`]) instead of a shared tail counter first
+//! and the slot after. `head` (messages consumed) is written by the consumer, in batches, and
+//! read by the producer only when its cached copy says the ring is full. Slot `i` is
+//! `i & mask`; the counters are 64 bits and never wrap in practice.
 //!
 //! Sleep/wake: a side that finds nothing to do raises its `*_sleeping` flag, fences, and
-//! checks again before it parks on its eventfd; a side that changed the state fences, and
-//! wakes the other (an eventfd write) only if its flag is raised — so under load no side makes
-//! a system call per message. With both fences `SeqCst` at least one side sees the other's
-//! store (Dekker): no wake-up is lost. The peer is another process that may be buggy: every
-//! counter read from shared memory is checked before use.
+//! checks again before it parks; a side that changed the state fences, and wakes the other
+//! only if its flag is raised — so under load no side makes a system call per message. With
+//! both fences `SeqCst` at least one side sees the other's store (Dekker): no wake-up is
+//! lost. The producer runs that check once per batch of writes (`publish`), not per slot.
+//!
+//! The peer is another process that may be buggy or hostile: a slot whose sequence number is
+//! not the expected one is simply not ready (a peer that never publishes stalls, as any peer
+//! can), `head` is checked before use, and every descriptor is validated by `desc::check`.
 
 use super::desc::{Desc, WORDS};
 use crate::loom::Padded;
 use crate::loom::sync::{AtomicU32, AtomicU64, Ordering, fence};
 
-/// One slot: a descriptor as sixteen words, each read and written with a relaxed atomic access
-/// (ordered by `tail` and `head`). A misbehaving peer that writes a slot while we read it can
-/// change the words we get — which `desc::check` then validates — but never races us: there is
-/// no non-atomic access to shared memory the peer can write.
+/// One slot: a sequence number and a descriptor's fifteen words, each read and written with
+/// an atomic access. A misbehaving peer that writes a slot while we read it can change the
+/// words we get — which `desc::check` then validates — but never races us: there is no
+/// non-atomic access to shared memory the peer can write.
 #[repr(C)]
 pub(crate) struct Slot([AtomicU64; WORDS]);
 
@@ -29,10 +36,23 @@ impl Slot {
         Slot(std::array::from_fn(|_| AtomicU64::new(0)))
     }
 
-    fn store(&self, words: &[u64; WORDS]) {
-        for (slot, w) in self.0.iter().zip(words) {
+    /// Writes the descriptor's words, then publishes them with sequence number `seq`.
+    fn publish(&self, words: &[u64; WORDS], seq: u64) {
+        for (slot, w) in self.0[1..].iter().zip(&words[1..]) {
             slot.store(*w, Ordering::Relaxed);
         }
+        // SYNC POINT with the `seq` load in `ready`: the words above happen before a consumer
+        // that sees `seq` reads them.
+        self.0[0].store(seq, Ordering::Release);
+    }
+
+    /// True when the slot holds sequence number `seq`. Also touches the slot's second cache
+    /// line, so that when the producer has written both, the consumer's next poll fetches
+    /// them together rather than the second one after the first.
+    fn ready(&self, seq: u64) -> bool {
+        std::hint::black_box(self.0[WORDS / 2].load(Ordering::Relaxed));
+        // SYNC POINT with the `seq` store in `publish`.
+        self.0[0].load(Ordering::Acquire) == seq
     }
 
     fn load(&self) -> [u64; WORDS] {
@@ -46,14 +66,11 @@ const _: () = assert!(std::mem::size_of::<Slot>() == 128);
 #[repr(C)]
 #[derive(Default)]
 pub(crate) struct Control {
-    /// Descriptors published. Written by the producer.
-    pub(crate) tail: Padded<AtomicU64>,
     /// Descriptors consumed. Written by the consumer.
     pub(crate) head: Padded<AtomicU64>,
-    /// 1: the consumer is parked (or about to) on the data eventfd.
+    /// 1: the consumer is parked (or about to) on its wake socket.
     pub(crate) consumer_sleeping: Padded<AtomicU32>,
-    /// 1: the producer is parked (or about to) on the space eventfd, waiting for ring slots or
-    /// arena blocks.
+    /// 1: the producer is parked (or about to), waiting for ring slots or arena blocks.
     pub(crate) producer_sleeping: Padded<AtomicU32>,
     /// 1: the producer closed this direction (after its last publish).
     pub(crate) producer_closed: AtomicU32,
@@ -85,21 +102,21 @@ impl std::fmt::Display for Corrupt {
 /// The producing end, owned by the `Sender`.
 pub(crate) struct Producer<S> {
     store: S,
-    /// Written slots, published or not.
+    /// Slots written (and published).
     tail: u64,
-    /// Slots published to the consumer.
-    published: u64,
+    /// Slots written since the last wake-up check.
+    unchecked: u64,
     /// `head` as last read.
     seen_head: u64,
 }
 
 impl<S: RingStore> Producer<S> {
-    /// A producer over a fresh ring (`tail` and `head` 0).
+    /// A producer over a fresh ring.
     pub(crate) fn new(store: S) -> Producer<S> {
         Producer {
             store,
             tail: 0,
-            published: 0,
+            unchecked: 0,
             seen_head: 0,
         }
     }
@@ -112,7 +129,7 @@ impl<S: RingStore> Producer<S> {
         // SYNC POINT with the `head` store in `Consumer::consume`: the consumer has finished
         // reading the slots before `head` says they are free.
         let head = self.store.control().head.load(Ordering::Acquire);
-        if head < self.seen_head || head > self.published {
+        if head < self.seen_head || head > self.tail {
             return Err(Corrupt(
                 "the consumer's head moved backwards or past the tail",
             ));
@@ -130,36 +147,38 @@ impl<S: RingStore> Producer<S> {
         Ok(cap - (self.tail - self.seen_head))
     }
 
-    /// Writes `desc` into the next slot (not yet visible). Requires `free() > 0`.
+    /// Writes `desc` into the next slot and publishes it. Requires `free() > 0`. The consumer
+    /// may be parked: call [`publish`](Self::publish) before waiting or returning to the
+    /// application, and at least every so many writes.
     pub(crate) fn write(&mut self, desc: &Desc) {
-        // Slot `tail` is outside the consumer's window `[head, published)` as long as `tail -
-        // head < capacity`: the consumer reads only slots below the `tail` it loaded.
+        self.write_words(&desc.encode());
+    }
+
+    /// [`write`](Self::write) of a descriptor's words (word 0 is the ring's).
+    pub(crate) fn write_words(&mut self, words: &[u64; WORDS]) {
+        // Slot `tail` is outside the consumer's window `[head, tail)` as long as `tail - head
+        // < capacity`: the consumer reads only slots it has seen published.
         assert!(
             self.tail - self.seen_head < self.store.capacity(),
             "ring write without a free slot"
         );
-        self.store.slot(self.tail).store(&desc.encode());
+        self.store.slot(self.tail).publish(words, self.tail + 1);
         self.tail += 1;
+        self.unchecked += 1;
     }
 
-    /// Written but unpublished descriptors.
+    /// Slots written since the last wake-up check.
     pub(crate) fn unpublished(&self) -> u64 {
-        self.tail - self.published
+        self.unchecked
     }
 
-    /// Makes the written descriptors visible. Returns whether the consumer sleeps and must be
-    /// woken (its flag is cleared here, so only one wake-up is sent).
+    /// The wake-up check after writes: whether the consumer sleeps and must be woken (its
+    /// flag is cleared here, so only one wake-up is sent).
     pub(crate) fn publish(&mut self) -> bool {
-        if self.tail == self.published {
+        if self.unchecked == 0 {
             return false;
         }
-        // SYNC POINT with the `tail` load in `Consumer::available`: the slot writes above
-        // happen before the consumer reads them.
-        self.store
-            .control()
-            .tail
-            .store(self.tail, Ordering::Release);
-        self.published = self.tail;
+        self.unchecked = 0;
         wake_needed(&self.store.control().consumer_sleeping)
     }
 
@@ -178,9 +197,9 @@ impl<S: RingStore> Producer<S> {
 
     /// Marks the direction closed after the last publish; returns whether to wake the consumer.
     pub(crate) fn close(&mut self) -> bool {
-        self.publish();
+        self.unchecked = 0;
         // SYNC POINT with the `producer_closed` load in `Consumer::is_finished`: every publish
-        // happens before a consumer that sees the flag checks the tail again.
+        // happens before a consumer that sees the flag looks at the next slot again.
         self.store
             .control()
             .producer_closed
@@ -202,9 +221,10 @@ impl<S: RingStore> Producer<S> {
 /// The consuming end, owned by the `Receiver`.
 pub(crate) struct Consumer<S> {
     store: S,
+    /// Descriptors consumed and announced to the producer.
     head: u64,
-    /// `tail` as last read.
-    seen_tail: u64,
+    /// Descriptors read since (not yet announced).
+    read: u64,
 }
 
 impl<S: RingStore> Consumer<S> {
@@ -212,39 +232,47 @@ impl<S: RingStore> Consumer<S> {
         Consumer {
             store,
             head: 0,
-            seen_tail: 0,
+            read: 0,
         }
     }
 
-    /// Descriptors ready to read (rereading `tail` only when the cached view has none).
-    pub(crate) fn available(&mut self) -> Result<u64, Corrupt> {
-        if self.seen_tail == self.head {
-            // SYNC POINT with the `tail` store in `Producer::publish`.
-            let tail = self.store.control().tail.load(Ordering::Acquire);
-            if tail < self.seen_tail || tail - self.head > self.store.capacity() {
-                return Err(Corrupt(
-                    "the producer's tail moved backwards or past the ring",
-                ));
-            }
-            self.seen_tail = tail;
+    /// True when the next descriptor is published.
+    pub(crate) fn ready(&self) -> bool {
+        let i = self.head + self.read;
+        self.store.slot(i).ready(i + 1)
+    }
+
+    /// The next descriptor's words, copied out of shared memory (to be validated with
+    /// `desc::check_words`: a misbehaving peer could still write the slot), if it is
+    /// published. It stays in the ring until [`take`](Self::take).
+    #[inline]
+    pub(crate) fn peek(&self) -> Option<[u64; WORDS]> {
+        let i = self.head + self.read;
+        let slot = self.store.slot(i);
+        // The slot is published (Acquire in `ready`) and not written again by a well-behaved
+        // producer until `head` passes it.
+        slot.ready(i + 1).then(|| slot.load())
+    }
+
+    /// Moves past the descriptor `peek` returned. Its slot is freed for the producer at the
+    /// next [`consume`](Self::consume).
+    pub(crate) fn take(&mut self) {
+        self.read += 1;
+    }
+
+    /// Descriptors taken and not yet freed.
+    pub(crate) fn taken(&self) -> u64 {
+        self.read
+    }
+
+    /// Frees the slots of the descriptors taken. Returns whether the producer sleeps and must
+    /// be woken.
+    pub(crate) fn consume(&mut self) -> bool {
+        if self.read == 0 {
+            return false;
         }
-        Ok(self.seen_tail - self.head)
-    }
-
-    /// The `i`-th available descriptor (`i < available()`), copied out of shared memory (to be
-    /// validated with `desc::check`: a misbehaving peer could still write the slot).
-    pub(crate) fn read(&self, i: u64) -> Desc {
-        assert!(self.head + i < self.seen_tail, "ring read past the tail");
-        // The slot is in `[head, tail)`: published by the producer (Acquire in `available`)
-        // and not written again by a well-behaved producer until `head` passes it.
-        Desc::decode(&self.store.slot(self.head + i).load())
-    }
-
-    /// Frees the first `n` read descriptors' slots. Returns whether the producer sleeps and
-    /// must be woken.
-    pub(crate) fn consume(&mut self, n: u64) -> bool {
-        debug_assert!(self.head + n <= self.seen_tail);
-        self.head += n;
+        self.head += self.read;
+        self.read = 0;
         // SYNC POINT with the `head` load in `Producer::refresh`.
         self.store
             .control()
@@ -267,11 +295,10 @@ impl<S: RingStore> Consumer<S> {
     }
 
     /// True when the producer closed and everything it published was read.
-    pub(crate) fn is_finished(&mut self) -> Result<bool, Corrupt> {
+    pub(crate) fn is_finished(&self) -> bool {
         // SYNC POINT with the `producer_closed` store in `Producer::close`: read the flag
-        // first, then the tail, so that a close seen here comes after every publish.
-        let closed = self.store.control().producer_closed.load(Ordering::Acquire) == 1;
-        Ok(closed && self.available()? == 0)
+        // first, then the slot, so that a close seen here comes after every publish.
+        self.store.control().producer_closed.load(Ordering::Acquire) == 1 && !self.ready()
     }
 
     /// Tells the producer this end is gone.
@@ -345,6 +372,17 @@ mod tests {
         }
     }
 
+    /// Takes every published descriptor, returning their correlation ids.
+    fn drain<S: RingStore>(c: &mut Consumer<S>) -> Vec<u64> {
+        let mut got = Vec::new();
+        while let Some(d) = c.peek() {
+            got.push(Desc::decode(&d).correlation);
+            c.take();
+        }
+        c.consume();
+        got
+    }
+
     #[test]
     fn fills_wraps_and_empties() {
         let ring = HeapRing::new(4);
@@ -356,31 +394,48 @@ mod tests {
                 p.write(&desc(next));
                 next += 1;
             }
-            assert_eq!(c.available().unwrap(), 0, "not published yet");
-            p.publish();
-            let n = c.available().unwrap();
-            assert_eq!(n, 4);
-            for i in 0..n {
-                assert_eq!(c.read(i).correlation, round * 4 + i);
-            }
-            c.consume(n);
+            assert_eq!(
+                drain(&mut c),
+                (round * 4..round * 4 + 4).collect::<Vec<_>>()
+            );
+            assert!(
+                c.peek().is_none(),
+                "a slot of the last lap is not ready again"
+            );
         }
     }
 
     #[test]
-    fn corrupt_counters_are_detected() {
-        let ring = HeapRing::new(4);
+    fn slots_free_only_when_consumed() {
+        let ring = HeapRing::new(2);
+        let mut p = Producer::new(ring.clone());
         let mut c = Consumer::new(ring.clone());
-        ring.control.tail.store(100, Ordering::Relaxed);
-        assert!(c.available().is_err());
+        p.write(&desc(0));
+        p.write(&desc(1));
+        assert_eq!(p.free().unwrap(), 0);
+        c.peek().unwrap();
+        c.take();
+        assert_eq!(p.free().unwrap(), 0, "taken, not yet consumed");
+        c.consume();
+        assert_eq!(p.free().unwrap(), 1);
+    }
+
+    #[test]
+    fn a_forged_head_or_sequence_number_is_caught_or_ignored() {
         let ring = HeapRing::new(4);
         let mut p = Producer::new(ring.clone());
         for _ in 0..4 {
             p.write(&desc(0));
         }
-        p.publish();
         ring.control.head.store(9, Ordering::Relaxed);
-        assert!(p.free().is_err());
+        assert!(p.free().is_err(), "head past the tail");
+        // A sequence number from another lap (or any other) is simply not ready.
+        let ring = HeapRing::new(4);
+        let c = Consumer::new(ring.clone());
+        ring.slots[0].0[0].store(5, Ordering::Relaxed);
+        assert!(c.peek().is_none());
+        ring.slots[0].0[0].store(1, Ordering::Relaxed);
+        assert!(c.peek().is_some());
     }
 
     #[test]
@@ -390,10 +445,9 @@ mod tests {
         let mut c = Consumer::new(ring.clone());
         p.write(&desc(1));
         p.close();
-        assert!(!c.is_finished().unwrap());
-        c.available().unwrap();
-        c.consume(1);
-        assert!(c.is_finished().unwrap());
+        assert!(!c.is_finished());
+        assert_eq!(drain(&mut c), [1]);
+        assert!(c.is_finished());
     }
 }
 
@@ -405,8 +459,9 @@ mod loom_models {
     use std::sync::Arc as StdArc;
 
     /// Push and pop across a wrap-around: every descriptor arrives once, in order, with its
-    /// contents (the slots' words are relaxed atomics: a missing Release/Acquire on `tail` or
-    /// `head` lets loom hand the consumer stale words, which the assertion catches).
+    /// contents (the slots' words are relaxed atomics: a missing Release/Acquire on the
+    /// sequence number or on `head` lets loom hand the consumer stale words, which the
+    /// assertion catches).
     #[test]
     fn push_pop_wraps_in_order() {
         loom::model(|| {
@@ -422,7 +477,6 @@ mod loom_models {
                             ..Desc::zeroed()
                         });
                         sent += 1;
-                        p.publish();
                     } else {
                         loom::thread::yield_now();
                     }
@@ -430,14 +484,14 @@ mod loom_models {
             });
             let mut got = 0;
             while got < 3 {
-                let n = c.available().unwrap();
-                for i in 0..n {
-                    assert_eq!(c.read(i).correlation, got + i);
-                }
-                c.consume(n);
-                got += n;
-                if n == 0 {
-                    loom::thread::yield_now();
+                match c.peek() {
+                    Some(d) => {
+                        assert_eq!(Desc::decode(&d).correlation, got);
+                        c.take();
+                        c.consume();
+                        got += 1;
+                    }
+                    None => loom::thread::yield_now(),
                 }
             }
             t.join().unwrap();
@@ -445,9 +499,9 @@ mod loom_models {
     }
 
     /// The sleep/wake protocol loses no wake-up: a consumer that parks (on a `Notify`
-    /// standing in for the eventfd) is always woken for a message published concurrently,
-    /// and a producer that parks for room is woken by the consumer. A lost wake-up would be a
-    /// deadlock, which loom reports.
+    /// standing in for the wake socket) is always woken for a message published
+    /// concurrently, and a producer that parks for room is woken by the consumer. A lost
+    /// wake-up would be a deadlock, which loom reports.
     #[test]
     fn sleep_wake_loses_no_wakeup() {
         loom::model(|| {
@@ -481,17 +535,17 @@ mod loom_models {
             });
             let mut got = 0;
             while got < 2 {
-                let n = c.available().unwrap();
-                if n > 0 {
-                    assert_eq!(c.read(0).correlation, got);
+                if let Some(d) = c.peek() {
+                    assert_eq!(Desc::decode(&d).correlation, got);
                     got += 1;
-                    if c.consume(1) {
+                    c.take();
+                    if c.consume() {
                         space.notify();
                     }
                     continue;
                 }
                 c.prepare_park();
-                if c.available().unwrap() > 0 {
+                if c.ready() {
                     c.cancel_park();
                     continue;
                 }
@@ -517,14 +571,14 @@ mod loom_models {
             });
             let mut got = Vec::new();
             loop {
-                if c.is_finished().unwrap() {
+                if c.is_finished() {
                     break;
                 }
-                let n = c.available().unwrap();
-                for i in 0..n {
-                    got.push(c.read(i).correlation);
+                while let Some(d) = c.peek() {
+                    got.push(Desc::decode(&d).correlation);
+                    c.take();
                 }
-                c.consume(n);
+                c.consume();
                 loom::thread::yield_now();
             }
             assert_eq!(got, [7]);

@@ -4,7 +4,7 @@
 //! ```text
 //! 0        SegmentHeader, one page: magic "HYPERSHM", version, sizes, and for each direction
 //!          the offsets of its control block, slots and arena (all u64/u32 native-endian)
-//! dir[d]   Control (head, tail, sleep and close flags), rounded up to a page
+//! dir[d]   Control (head, sleep and close flags), rounded up to a page
 //! + slots  ring_entries × 128-byte descriptors (see `desc`)
 //! + arena  arena_len bytes, page aligned: blocks of a 64-byte header (reference count)
 //!          and the payload
@@ -33,7 +33,7 @@ use crate::loom::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::{Error, ErrorKind};
 
 const MAGIC: [u8; 8] = *b"HYPERSHM";
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 const PAGE: u64 = 4096;
 
 /// The segment header. Plain data written once by the creator before the segment is shared.
@@ -425,13 +425,13 @@ mod tests {
         let other = Segment::open(fd.try_clone().unwrap()).unwrap();
         seg.ring(1)
             .control()
-            .tail
+            .head
             .store(3, crate::loom::sync::Ordering::Release);
         assert_eq!(
             other
                 .ring(1)
                 .control()
-                .tail
+                .head
                 .load(crate::loom::sync::Ordering::Acquire),
             3
         );
