@@ -11,11 +11,14 @@
 //! its hold is released **and** its shared count is zero. So a misbehaving consumer can hold
 //! blocks (the sender waits, which is backpressure) or release them early (which corrupts only
 //! what that consumer reads), but it can never make the producer hand out a block that is
-//! still in use on its side. The producer reclaims free blocks from the oldest on, so a body
-//! held for long delays reuse of everything after it.
+//! still in use on its side. Free blocks are reclaimed from the ends of the span, so a body
+//! held for long keeps the blocks beside it from being reused until the span's ends reach it
+//! (the sender then waits for room: backpressure).
 //!
-//! When a block does not fit before the end of the arena, the rest of the arena is skipped and
-//! the block starts again at offset 0; when the arena is empty, allocation starts over at 0.
+//! The live blocks form one span, extended and reclaimed at both ends (see [`ArenaProducer`]),
+//! so freed memory is reused while it is still in the caches. When a block does not fit
+//! before an end of the arena, the bytes up to that end are skipped; when the arena is empty,
+//! allocation starts over at 0.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -79,24 +82,47 @@ pub(crate) fn validate(len: u64, offset: u64, payload: u64) -> Option<u64> {
 
 #[derive(Debug)]
 struct Live {
-    /// Position (monotonic, not wrapped) of the block's start.
-    start: u64,
+    /// Arena offset of the block's start.
+    offset: u64,
     len: u64,
-    /// Skipped space at the end of the arena: no header, free at once.
+    /// Skipped space at one end of the arena: no header, free at once.
     skip: bool,
     /// The producer's own hold, for a block lent out with `alloc_held`.
     hold: Option<Arc<Hold>>,
 }
 
+/// An end of the span of live blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    Front,
+    Back,
+}
+
+/// Blocks of at least this many bytes look for room where memory was freed last (reclaiming
+/// first): for them the caches matter more than the two loads that costs.
+const HOT_MIN: u64 = 4096;
+
 /// The producer's allocator state.
+///
+/// The live blocks occupy one span of the arena, circularly: `[front, back)`, `used` bytes,
+/// and the free space is the rest, also one span. A block is placed at either end of the
+/// live span — after `back` or before `front` — and reclaimed at either end once free, so
+/// the free space stays one span (a block fits whenever it fits in one piece of it: the same
+/// room as a plain ring). Placing the next block where the last block was reclaimed reuses
+/// memory that is still in the caches: a stream with one or two bodies in flight cycles
+/// through one or two blocks instead of walking the whole arena.
 #[derive(Debug)]
 pub(crate) struct ArenaProducer {
     len: u64,
-    /// Next allocation position (monotonic).
-    alloc: u64,
-    /// Everything before this position is free.
-    reclaimed: u64,
+    /// Offset of the first live byte (when `used > 0`).
+    front: u64,
+    /// Offset one past the last live byte.
+    back: u64,
+    used: u64,
+    /// Live blocks and skips, from `front` to `back`.
     live: VecDeque<Live>,
+    /// The end where space was freed last: tried first.
+    hot: End,
 }
 
 impl ArenaProducer {
@@ -104,9 +130,11 @@ impl ArenaProducer {
         debug_assert!(len.is_multiple_of(BLOCK_ALIGN) && len > 0);
         ArenaProducer {
             len,
-            alloc: 0,
-            reclaimed: 0,
+            front: 0,
+            back: 0,
+            used: 0,
             live: VecDeque::new(),
+            hot: End::Back,
         }
     }
 
@@ -115,16 +143,18 @@ impl ArenaProducer {
         block_len(payload) > self.len
     }
 
-    /// Where a block of `need` bytes would go now: the bytes to skip at the end of the arena
-    /// first, or `None` when it does not fit until blocks are reclaimed.
-    fn fit(&self, need: u64) -> Option<u64> {
-        let pos = self.alloc % self.len;
-        let skip = if pos + need > self.len {
-            self.len - pos
-        } else {
-            0
+    /// Where a block of `need` bytes would go at `end`: the bytes to skip at that end of the
+    /// arena first, or `None` when it does not fit until blocks are reclaimed.
+    fn fit(&self, end: End, need: u64) -> Option<u64> {
+        let skip = match end {
+            // After `back`; skip the rest of the arena when it does not fit before the end.
+            End::Back if self.back + need > self.len => self.len - self.back,
+            // Before `front` (at the arena's end when `front` is 0); skip the bytes before
+            // `front` when it does not fit after offset 0.
+            End::Front if self.front != 0 && self.front < need => self.front,
+            _ => 0,
         };
-        (self.alloc + skip + need - self.reclaimed <= self.len).then_some(skip)
+        (self.used + skip + need <= self.len).then_some(skip)
     }
 
     /// Allocates a block for `payload` bytes whose shared count starts at `count` (the
@@ -146,6 +176,22 @@ impl ArenaProducer {
         Some((at, hold))
     }
 
+    /// An end where a block of `need` bytes fits now, the hot one first, and its skip.
+    fn choose(&mut self, need: u64) -> Option<(End, u64)> {
+        if self.used == 0 && self.back + need > self.len {
+            // Empty, but the block does not fit after where the last one was: start over at
+            // offset 0 rather than skip.
+            (self.front, self.back, self.hot) = (0, 0, End::Back);
+        }
+        let other = match self.hot {
+            End::Front => End::Back,
+            End::Back => End::Front,
+        };
+        [self.hot, other]
+            .into_iter()
+            .find_map(|end| self.fit(end, need).map(|skip| (end, skip)))
+    }
+
     fn place(
         &mut self,
         refs: &impl BlockRefs,
@@ -157,32 +203,77 @@ impl ArenaProducer {
         if need > self.len {
             return None;
         }
+        if need >= HOT_MIN {
+            self.reclaim(refs);
+        }
         loop {
-            if let Some(skip) = self.fit(need) {
-                if skip > 0 {
-                    self.live.push_back(Live {
-                        start: self.alloc,
-                        len: skip,
-                        skip: true,
-                        hold: None,
-                    });
-                    self.alloc += skip;
-                }
-                let offset = self.alloc % self.len;
+            if let Some((end, skip)) = self.choose(need) {
+                let offset = self.put(end, skip, need, hold);
                 // The block was free (count 0 seen with Acquire in `reclaim`, or never used):
                 // nobody else touches its count until it is published.
                 refs.refs(offset).store(count, Ordering::Relaxed);
-                self.live.push_back(Live {
-                    start: self.alloc,
-                    len: need,
-                    skip: false,
-                    hold,
-                });
-                self.alloc += need;
                 return Some(offset);
             }
             if !self.reclaim(refs) {
                 return None;
+            }
+        }
+    }
+
+    /// Records a block of `need` bytes at `end`, after `skip` bytes; returns its offset.
+    fn put(&mut self, end: End, skip: u64, need: u64, hold: Option<Arc<Hold>>) -> u64 {
+        self.used += skip + need;
+        match end {
+            End::Back => {
+                if skip > 0 {
+                    self.live.push_back(Live {
+                        offset: self.back,
+                        len: skip,
+                        skip: true,
+                        hold: None,
+                    });
+                    self.back = 0;
+                }
+                let offset = self.back;
+                self.live.push_back(Live {
+                    offset,
+                    len: need,
+                    skip: false,
+                    hold,
+                });
+                self.back = (offset + need) % self.len;
+                if self.live.len() == 1 {
+                    self.front = offset;
+                }
+                offset
+            }
+            End::Front => {
+                if skip > 0 {
+                    self.live.push_front(Live {
+                        offset: 0,
+                        len: skip,
+                        skip: true,
+                        hold: None,
+                    });
+                    self.front = 0;
+                }
+                let end = if self.front == 0 {
+                    self.len
+                } else {
+                    self.front
+                };
+                let offset = end - need;
+                self.live.push_front(Live {
+                    offset,
+                    len: need,
+                    skip: false,
+                    hold,
+                });
+                self.front = offset;
+                if self.live.len() == 1 {
+                    self.back = (offset + need) % self.len;
+                }
+                offset
             }
         }
     }
@@ -194,7 +285,7 @@ impl ArenaProducer {
             return true; // never in the arena: not ours to wait for
         }
         loop {
-            if self.fit(need).is_some() {
+            if self.choose(need).is_some() {
                 return true;
             }
             if !self.reclaim(refs) {
@@ -203,35 +294,54 @@ impl ArenaProducer {
         }
     }
 
-    /// Reclaims free blocks from the oldest on. True when any space was freed.
+    /// Reclaims free blocks at both ends of the live span. True when any space was freed.
     pub(crate) fn reclaim(&mut self, refs: &impl BlockRefs) -> bool {
-        let before = self.reclaimed;
-        while let Some(b) = self.live.front() {
+        let free = |b: &Live| {
             // SYNC POINT with the `fetch_sub` in `release` and the store in `Hold::release`.
-            if !b.skip
-                && (b.hold.as_ref().is_some_and(|h| h.held())
-                    || refs.refs(b.start % self.len).load(Ordering::Acquire) != 0)
-            {
-                break;
+            b.skip
+                || (!b.hold.as_ref().is_some_and(|h| h.held())
+                    && refs.refs(b.offset).load(Ordering::Acquire) == 0)
+        };
+        let before = self.used;
+        // The end, and the offset, of the block reclaimed last.
+        let mut last = None;
+        while let Some(b) = self.live.front().filter(|b| free(b)) {
+            self.used -= b.len;
+            self.front = (b.offset + b.len) % self.len;
+            if !b.skip {
+                last = Some((End::Front, b.offset));
             }
-            self.reclaimed = b.start + b.len;
             self.live.pop_front();
         }
-        if self.live.is_empty() {
-            // Empty: start over at offset 0, so that no skip is needed for a while.
-            let rest = self.alloc % self.len;
-            if rest != 0 {
-                self.alloc += self.len - rest;
+        while let Some(b) = self.live.back().filter(|b| free(b)) {
+            self.used -= b.len;
+            self.back = b.offset;
+            if !b.skip {
+                last = Some((End::Back, b.offset));
             }
-            self.reclaimed = self.alloc;
+            self.live.pop_back();
         }
-        self.reclaimed != before
+        if let Some((end, offset)) = last {
+            self.hot = end;
+            if self.live.is_empty() {
+                // Empty: the next block goes where the last one was (the memory the caches
+                // hold), growing the span from there.
+                (self.front, self.back, self.hot) = (offset, offset, End::Back);
+            }
+        }
+        self.used != before
     }
 
     /// Bytes in live blocks (including skipped space).
     #[cfg(test)]
     pub(crate) fn used(&self) -> u64 {
-        self.alloc - self.reclaimed
+        self.used
+    }
+
+    /// The live span's blocks as `(offset, len)`, front to back (skips included).
+    #[cfg(test)]
+    fn spans(&self) -> Vec<(u64, u64)> {
+        self.live.iter().map(|b| (b.offset, b.len)).collect()
     }
 }
 
@@ -273,7 +383,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn allocates_releases_out_of_order_and_reclaims_in_order() {
+    fn allocates_releases_out_of_order_and_reclaims_at_the_ends() {
         let refs = HeapRefs::new(1024);
         let mut a = ArenaProducer::new(1024);
         let b1 = a.alloc(&refs, 100, 1).unwrap(); // 64 + 128
@@ -281,14 +391,17 @@ mod tests {
         let b3 = a.alloc(&refs, 100, 1).unwrap();
         assert_eq!((b1, b2, b3), (0, 192, 384));
         assert!(a.alloc(&refs, 400, 1).is_none(), "576 + 464 > 1024");
-        // Releasing the second and third does not free space: the first still holds it.
+        // Releasing the middle one frees nothing: it is not at an end of the span.
         assert!(release(&refs, b2));
-        assert!(release(&refs, b3));
         assert!(!a.reclaim(&refs));
         assert!(a.alloc(&refs, 400, 1).is_none());
+        // The last one is: the span shrinks to the first block, and the hot end is where
+        // the last block was.
+        assert!(release(&refs, b3));
+        assert_eq!(a.alloc(&refs, 400, 1), Some(192));
         assert!(release(&refs, b1));
-        // Now everything is free: the allocator starts over at 0.
-        assert_eq!(a.alloc(&refs, 400, 1), Some(0));
+        assert!(a.reclaim(&refs));
+        assert_eq!(a.used(), 512);
     }
 
     #[test]
@@ -298,10 +411,91 @@ mod tests {
         let x = a.alloc(&refs, 600, 1).unwrap(); // 0..704
         let y = a.alloc(&refs, 100, 1).unwrap(); // 704..896
         assert!(release(&refs, x));
-        // 300 bytes need 384: they do not fit in 896..1024, so the tail is skipped.
-        assert_eq!(a.alloc(&refs, 300, 1), Some(0));
-        assert_eq!(a.used(), (1024 - 704) + 384);
+        // 300 bytes need 384: the freed front (0..704) takes them, before `y`.
+        assert_eq!(a.alloc(&refs, 300, 1), Some(704 - 384));
+        assert_eq!(a.used(), 384 + 192);
+        // 500 bytes need 576: the span is 320..896, and neither after it (skip to 0, then
+        // 320 bytes) nor before it (320 bytes) is there room.
+        assert_eq!(a.alloc(&refs, 500, 1), None);
         assert!(release(&refs, y));
+        // With `y` gone the span is 320..704: after it the end must be skipped (384 + 320 +
+        // 576 > 1024), before it only 320 bytes. Still no room until the span shrinks.
+        assert_eq!(a.alloc(&refs, 500, 1), None);
+        let z = 704 - 384;
+        assert!(release(&refs, z));
+        assert!(a.alloc(&refs, 500, 1).is_some());
+    }
+
+    /// A stream with one or two bodies in flight reuses the same one or two blocks (the ones
+    /// in the caches) instead of walking the arena; a deep one fills all of it.
+    #[test]
+    fn shallow_streams_reuse_hot_blocks() {
+        let len = 64 * 1024;
+        for depth in [1usize, 2] {
+            let refs = HeapRefs::new(len);
+            let mut a = ArenaProducer::new(len);
+            let mut flight = std::collections::VecDeque::new();
+            let mut seen = std::collections::BTreeSet::new();
+            for _ in 0..50 {
+                if flight.len() == depth {
+                    release(&refs, flight.pop_front().unwrap());
+                }
+                let b = a.alloc(&refs, 8000, 1).unwrap();
+                seen.insert(b);
+                flight.push_back(b);
+            }
+            assert!(
+                seen.len() <= depth + 1,
+                "depth {depth}: blocks used {seen:?}"
+            );
+        }
+        let refs = HeapRefs::new(len);
+        let mut a = ArenaProducer::new(len);
+        let mut n = 0;
+        while a.alloc(&refs, 4000, 1).is_some() {
+            n += 1;
+        }
+        assert_eq!(n, len / block_len(4000));
+    }
+
+    proptest::proptest! {
+        /// Random allocations and releases (in any order): live blocks never overlap and lie
+        /// inside the arena, and once everything is released a block of any size that fits
+        /// the arena can be allocated.
+        #[test]
+        fn blocks_never_overlap(
+            ops in proptest::collection::vec((0u64..3000, 0usize..8, proptest::bool::ANY), 1..200),
+        ) {
+            let len = 16 * 1024;
+            let refs = HeapRefs::new(len);
+            let mut a = ArenaProducer::new(len);
+            let mut live: Vec<(u64, u64)> = Vec::new();
+            for (size, pick, alloc) in ops {
+                if alloc || live.is_empty() {
+                    if let Some(at) = a.alloc(&refs, size, 1) {
+                        let span = (at, at + block_len(size));
+                        proptest::prop_assert!(span.1 <= len, "{span:?} past the end");
+                        for &(s, e) in &live {
+                            proptest::prop_assert!(span.1 <= s || e <= span.0,
+                                "{span:?} overlaps {:?}", (s, e));
+                        }
+                        live.push(span);
+                    }
+                } else {
+                    let (s, _) = live.swap_remove(pick % live.len());
+                    release(&refs, s);
+                }
+                // The allocator's own account covers every live block.
+                let total: u64 = live.iter().map(|(s, e)| e - s).sum();
+                proptest::prop_assert!(a.used() >= total);
+                let spans = a.spans();
+                proptest::prop_assert!(spans.iter().map(|(_, l)| l).sum::<u64>() == a.used());
+            }
+            for (s, _) in live.drain(..) {
+                release(&refs, s);
+            }
+            proptest::prop_assert!(a.alloc(&refs, len - 64, 1).is_some());
+        }
     }
 
     #[test]
