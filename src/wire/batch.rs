@@ -123,6 +123,15 @@ impl Batch {
         self.bytes == 0
     }
 
+    /// Appends the buffers to write to `out`, in order; resets the batch (like
+    /// [`take`](Self::take), without a new `Vec`).
+    pub fn take_into(&mut self, out: &mut Vec<Bytes>) {
+        self.seal_head();
+        self.messages = 0;
+        self.bytes = 0;
+        out.append(&mut self.chunks);
+    }
+
     /// The buffers to write, in order; resets the batch. The header buffer's spare capacity
     /// is kept for the next batch.
     pub fn take(&mut self) -> Vec<Bytes> {

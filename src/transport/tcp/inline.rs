@@ -1,8 +1,7 @@
-//! `IoEngine::Inline`: tcp without I/O threads. Each connection's driver is a task on the
-//! caller's tokio runtime, over epoll; a user half and its driver then hand messages over
-//! within one runtime (on a current-thread runtime, within one thread), which saves the
-//! cross-thread wake-up of the I/O-thread model. Needs a tokio runtime with I/O and time
-//! enabled in the caller.
+//! `IoEngine::Inline`: tcp without I/O threads. A connection runs in the tasks that use it,
+//! on the caller's tokio runtime, over epoll (see `direct`): no thread and no task between
+//! the application and the socket on the data path. Needs a tokio runtime with I/O and time
+//! enabled in the caller; the halves must be polled while that runtime runs.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -10,11 +9,15 @@ use std::sync::atomic::AtomicU64;
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 
+use std::net::SocketAddr;
+
+use super::direct;
 use super::setup::{self, TcpAccept};
-use super::sys::EpollStream;
+use super::sys::{EpollStream, Io};
 use crate::error::Result;
 use crate::transport::{AcceptHalf, Config, Parts};
 use crate::url::Endpoint;
+use crate::wire::{Batch, Control};
 use crate::{Error, ErrorKind};
 
 fn runtime() -> Result<Handle> {
@@ -27,13 +30,51 @@ fn runtime() -> Result<Handle> {
     })
 }
 
+/// Handshake, then the halves; the connection's flusher is spawned on `rt`.
+async fn establish(
+    rt: &Handle,
+    stream: tokio::net::TcpStream,
+    local: SocketAddr,
+    peer: SocketAddr,
+    cfg: &Config,
+) -> Result<Parts> {
+    let stream = EpollStream::new(stream);
+    let (peer_limits, leftover) = match super::conn::handshake(&stream, cfg).await {
+        Ok(r) => r,
+        Err(e) => {
+            if e.is_protocol() {
+                // Tell a hyperframes peer of another version why; harmless for anyone else.
+                let mut b = Batch::default();
+                b.push_control(&Control::Error(e.to_string()));
+                let _ = tokio::time::timeout(
+                    std::time::Duration::from_millis(200),
+                    stream.write_all(b.take()),
+                )
+                .await;
+            }
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+            return Err(e);
+        }
+    };
+    let peer_url = Endpoint::from_socket_addr(peer).to_string();
+    let (tx, rx, flusher) = direct::start(stream.into_inner(), leftover, cfg, peer_url.clone());
+    rt.spawn(flusher);
+    Ok(Parts {
+        tx: Box::new(tx),
+        rx: Box::new(rx),
+        transport: "tcp",
+        local: Endpoint::from_socket_addr(local).to_string(),
+        peer: peer_url,
+        peer_limits,
+        keepalive: None,
+    })
+}
+
 pub(super) async fn connect(host: &str, port: u16, cfg: &Config) -> Result<Parts> {
     let rt = runtime()?;
     let stream = setup::connect_tcp(host, port, cfg).await?;
     let (local, peer) = setup::addrs(&stream)?;
-    let (parts, driver) = setup::establish(EpollStream::new(stream), local, peer, cfg).await?;
-    rt.spawn(driver);
-    Ok(parts)
+    establish(&rt, stream, local, peer, cfg).await
 }
 
 pub(super) async fn bind(
@@ -59,12 +100,12 @@ pub(super) async fn bind(
                 let Ok((local, _)) = setup::addrs(&stream) else {
                     return;
                 };
-                match setup::establish(EpollStream::new(stream), local, peer, &cfg).await {
-                    Ok((parts, driver)) => {
-                        // Waits while the backlog is full; if the listener is gone, dropping
-                        // the parts closes the connection.
+                let rt = Handle::current();
+                match establish(&rt, stream, local, peer, &cfg).await {
+                    // Waits while the backlog is full; if the listener is gone, dropping the
+                    // parts closes the connection.
+                    Ok(parts) => {
                         let _ = to.send(parts).await;
-                        driver.await;
                     }
                     Err(e) => setup::reject(&counter, peer, &e),
                 }

@@ -10,10 +10,11 @@
 //! Control-plane work (name lookup, connect, listen, accept) uses tokio's reactor on the
 //! same threads; only the data path (read, writev) goes through io_uring.
 //!
-//! [`IoEngine::Inline`] runs the same connection driver as tasks on the caller's runtime
-//! instead (see `inline`).
+//! [`IoEngine::Inline`] runs each connection in the tasks that use it instead, on the
+//! caller's runtime (see `inline` and `direct`).
 
 mod conn;
+mod direct;
 mod inline;
 mod io_thread;
 mod setup;

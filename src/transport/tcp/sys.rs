@@ -86,6 +86,10 @@ impl EpollStream {
     pub(crate) fn new(s: tokio::net::TcpStream) -> EpollStream {
         EpollStream(s)
     }
+
+    pub(crate) fn into_inner(self) -> tokio::net::TcpStream {
+        self.0
+    }
 }
 
 impl Io for EpollStream {

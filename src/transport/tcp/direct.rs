@@ -1,0 +1,954 @@
+//! A TCP connection run in the tasks that use it (`IoEngine::Inline`): no I/O thread, no
+//! hand-off between tasks on the data path.
+//!
+//! ```text
+//!  Sender task   encode into the write buffer ── writev ──▶ socket   (now, or in a batch)
+//!  Receiver task ◀── decode ◀── read ──────────────────────── socket   (in its own poll)
+//!  flusher task  what a sender left: a partial batch, a full socket, CLOSE / STOP / ERROR;
+//!                after the receiver: the rest of the stream (STOP, ERROR, EOF); lingering
+//! ```
+//!
+//! **Writes.** `send` encodes the frame into the shared write buffer ([`Batch`]: small
+//! bodies next to their header, large ones as the caller's own `Bytes`) and then decides when
+//! to write it. A message sent after the connection was quiet for [`QUIET`] goes out at once,
+//! from the sender's task (one `writev`: a request or a reply waits for nothing); messages
+//! sent back to back accumulate and go out when [`BATCH_MESSAGES`] or [`BATCH_BYTES`] are
+//! pending, from the sender's task too, or when the sender's task yields, from the flusher
+//! (one `writev` for all of them). So a stream of small messages costs a system call per
+//! batch, and a ping-pong one per message, with no thread between the application and the
+//! socket. A full socket is backpressure: `poll_ready` waits (the flusher waits for the
+//! socket to take more and wakes it) once [`Config::send_queue`] messages or
+//! [`Config::send_queue_bytes`] bytes are pending.
+//!
+//! **Reads.** The receiver reads into a 256 KiB buffer and decodes frames out of it without
+//! copying (large bodies are read straight into a buffer of their own); it reads only when
+//! polled, so a receiver that does not read backpressures the peer through TCP's window.
+//! With `busy_poll` it never parks: it retries the read (a non-blocking `recv`) instead of
+//! waiting on epoll, which saves the sleep and the wake-up of a parked thread per message.
+//!
+//! **Ending.** As in the I/O-thread engine (`conn`): the sender's close (or drop) writes
+//! `CLOSE` after what it sent; a receiver dropped before the end owes the peer a `STOP`; a
+//! protocol error is reported to the peer with `ERROR`; once both halves are gone the
+//! flusher reads what the peer still sends until its EOF (at most `linger`), so that closing
+//! never resets a connection whose last bytes the peer has not read.
+
+use std::io::{self, IoSlice};
+use std::net::Shutdown;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use futures_util::future::poll_fn;
+use futures_util::task::AtomicWaker;
+use socket2::SockRef;
+use tokio::net::TcpStream;
+
+use crate::error::Result;
+use crate::transport::{Config, RecvHalf, SendHalf};
+use crate::wire::{Batch, Control, Decoder, Frame};
+use crate::{Error, ErrorKind, Message};
+
+/// A message sent after the connection was quiet this long is written at once.
+const QUIET: Duration = Duration::from_micros(5);
+/// Pending messages written from the sender's own task without waiting for it to yield.
+const BATCH_MESSAGES: usize = 64;
+/// ... or pending bytes.
+const BATCH_BYTES: usize = 256 << 10;
+/// Buffers per `writev` (Linux `IOV_MAX` is 1024).
+const IOV_MAX: usize = 512;
+/// Bytes read at a time into the shared receive buffer.
+const READ_CHUNK: usize = 256 << 10;
+/// Non-blocking reads a busy-polling receiver makes before it lets its task yield.
+const SPIN_READS: u32 = 64;
+/// How long a best-effort `ERROR` frame may take to go out.
+const ERROR_WRITE: Duration = Duration::from_secs(1);
+
+/// What the halves and the flusher share.
+pub(super) struct Shared {
+    stream: TcpStream,
+    w: Mutex<Writer>,
+    /// The failure that ended the connection; the Sender reports it.
+    error: OnceLock<Error>,
+    /// The same failure for the Receiver, set only if the peer had not closed its direction
+    /// cleanly before: a stream that ended cleanly stays clean.
+    recv_error: OnceLock<Error>,
+    /// The peer sent `STOP`: it no longer reads.
+    peer_stopped: AtomicBool,
+    /// The peer's direction has ended (its `CLOSE` was read); set by whoever reads.
+    peer_closed: AtomicBool,
+    /// Wakes the flusher: work was left for it.
+    flusher: AtomicWaker,
+    work: AtomicBool,
+    /// Wakes the Sender: the flusher made progress, or the connection failed or was stopped.
+    tx: AtomicWaker,
+    sender_gone: AtomicBool,
+    /// The read side: used by the Receiver, and by the flusher while the Receiver is not
+    /// waiting for data (or is gone).
+    r: Mutex<ReadState>,
+    /// The Receiver is parked waiting for data (registered with the socket, and here for
+    /// what the flusher reads ahead).
+    rx_parked: AtomicBool,
+    rx: AtomicWaker,
+    /// The Receiver is gone: what arrives is read and discarded by the flusher.
+    receiver_gone: AtomicBool,
+    busy_poll: bool,
+    cfg: Config,
+    peer: String,
+}
+
+/// The write side, shared by the Sender (which appends and writes), the flusher (which
+/// writes what is left) and whoever ends the connection (control frames).
+struct Writer {
+    batch: Batch,
+    /// Buffers taken out of the batch and not fully written yet, in order.
+    out: Vec<Bytes>,
+    /// Bytes appended and written: flush and backpressure compare them.
+    appended: u64,
+    written: u64,
+    /// When the last write finished, for [`QUIET`].
+    last_write: Instant,
+    stop_owed: bool,
+    /// `CLOSE` is appended (the Sender closed or went).
+    closing: bool,
+    /// `CLOSE` is written.
+    close_written: bool,
+    /// A reason to tell the peer in an `ERROR` frame before closing.
+    error_reason: Option<String>,
+}
+
+/// The result of writing what is pending.
+enum Wrote {
+    /// Everything appended is written.
+    All,
+    /// The socket took only part: wait until it is writable again.
+    Blocked,
+}
+
+impl Writer {
+    fn pending(&self) -> u64 {
+        self.appended - self.written
+    }
+
+    /// Appends `msg`'s frame.
+    fn push(&mut self, msg: Message) {
+        let before = self.batch.bytes();
+        self.batch.push_message(msg);
+        self.appended += (self.batch.bytes() - before) as u64;
+    }
+
+    fn push_control(&mut self, c: &Control) {
+        let before = self.batch.bytes();
+        self.batch.push_control(c);
+        self.appended += (self.batch.bytes() - before) as u64;
+    }
+
+    /// Writes what is pending without blocking.
+    fn write(&mut self, stream: &TcpStream) -> io::Result<Wrote> {
+        self.batch.take_into(&mut self.out);
+        while !self.out.is_empty() {
+            let mut iov = [IoSlice::new(&[]); 64];
+            let n = self.out.len().min(iov.len());
+            for (slot, b) in iov.iter_mut().zip(&self.out[..n]) {
+                *slot = IoSlice::new(b);
+            }
+            let res = if self.out.len() > iov.len() {
+                let many: Vec<IoSlice<'_>> = self.out[..self.out.len().min(IOV_MAX)]
+                    .iter()
+                    .map(|b| IoSlice::new(b))
+                    .collect();
+                stream.try_write_vectored(&many)
+            } else {
+                stream.try_write_vectored(&iov[..n])
+            };
+            match res {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => {
+                    crate::wire::advance(&mut self.out, n);
+                    self.written += n as u64;
+                    self.last_write = Instant::now();
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Wrote::Blocked),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if self.closing {
+            self.close_written = true;
+        }
+        Ok(Wrote::All)
+    }
+}
+
+fn write_error(e: io::Error) -> Error {
+    if matches!(
+        e.kind(),
+        io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+    ) {
+        Error::new(ErrorKind::ConnectionLost, "the peer closed the connection").with_source(e)
+    } else {
+        Error::io("writing to the peer", e)
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Writer> {
+        self.w.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn read_state(&self) -> MutexGuard<'_, ReadState> {
+        self.r.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn failed(&self) -> bool {
+        self.error.get().is_some()
+    }
+
+    fn error(&self) -> Option<Error> {
+        self.error.get().map(Error::duplicate)
+    }
+
+    /// Leaves work for the flusher.
+    fn kick(&self) {
+        self.work.store(true, Ordering::Release);
+        self.flusher.wake();
+    }
+
+    /// Ends the connection with `err` (the first failure wins) and wakes everyone. With
+    /// `tell_peer`, the flusher first sends the peer an `ERROR` frame (best effort).
+    fn fail(&self, err: Error, tell_peer: bool) {
+        if !self.peer_closed.load(Ordering::Acquire) {
+            let _ = self.recv_error.set(err.duplicate());
+        }
+        let reason = tell_peer.then(|| err.to_string());
+        if self.error.set(err).is_err() {
+            return;
+        }
+        match reason {
+            Some(r) => self.lock().error_reason = Some(r),
+            // Nothing to say: shut down now, which also wakes a Receiver parked on a read.
+            None => {
+                let _ = SockRef::from(&self.stream).shutdown(Shutdown::Both);
+            }
+        }
+        self.tx.wake();
+        self.rx.wake();
+        self.kick();
+    }
+}
+
+/// Sets up a connection whose handshake is done: the two halves, and the flusher to spawn on
+/// the caller's runtime. `src` holds bytes that arrived after the peer's handshake.
+pub(super) fn start(
+    stream: TcpStream,
+    src: BytesMut,
+    cfg: &Config,
+    peer: String,
+) -> (
+    DirectSender,
+    DirectReceiver,
+    impl Future<Output = ()> + Send + 'static,
+) {
+    let sh = Arc::new(Shared {
+        stream,
+        w: Mutex::new(Writer {
+            batch: Batch::default(),
+            out: Vec::new(),
+            appended: 0,
+            written: 0,
+            last_write: Instant::now() - QUIET,
+            stop_owed: false,
+            closing: false,
+            close_written: false,
+            error_reason: None,
+        }),
+        error: OnceLock::new(),
+        recv_error: OnceLock::new(),
+        peer_stopped: AtomicBool::new(false),
+        peer_closed: AtomicBool::new(false),
+        flusher: AtomicWaker::new(),
+        work: AtomicBool::new(false),
+        tx: AtomicWaker::new(),
+        sender_gone: AtomicBool::new(false),
+        r: Mutex::new(ReadState {
+            dec: Decoder::new(cfg.limits),
+            src,
+            stall: None,
+            early: std::collections::VecDeque::new(),
+            early_bytes: 0,
+            end: None,
+        }),
+        rx_parked: AtomicBool::new(false),
+        rx: AtomicWaker::new(),
+        receiver_gone: AtomicBool::new(false),
+        busy_poll: cfg.busy_poll,
+        cfg: cfg.clone(),
+        peer,
+    });
+    let tx = DirectSender {
+        sh: sh.clone(),
+        accepted: 0,
+        closing: false,
+    };
+    let rx = DirectReceiver {
+        sh: sh.clone(),
+        done: false,
+    };
+    // Made before the future, so that dropping it unpolled (its runtime shut down before the
+    // task ever ran) fails the connection too.
+    let guard = FailOnDrop {
+        sh: sh.clone(),
+        armed: true,
+    };
+    (tx, rx, async move {
+        let mut guard = guard;
+        flusher(guard.sh.clone()).await;
+        guard.armed = false;
+    })
+}
+
+/// Fails the connection if its flusher is dropped before finishing (its runtime shut down),
+/// so that the halves report it instead of waiting.
+struct FailOnDrop {
+    sh: Arc<Shared>,
+    armed: bool,
+}
+
+impl Drop for FailOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            self.sh.fail(
+                Error::new(
+                    ErrorKind::Unavailable,
+                    "the connection's runtime shut down (the inline engine runs on it)",
+                ),
+                false,
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Sender
+// ---------------------------------------------------------------------------------------
+
+pub(super) struct DirectSender {
+    sh: Arc<Shared>,
+    /// Bytes appended when the last message was accepted (what `flush` waits for).
+    accepted: u64,
+    closing: bool,
+}
+
+impl DirectSender {
+    fn check(&self) -> Result<()> {
+        if let Some(e) = self.sh.error() {
+            return Err(e);
+        }
+        if self.closing {
+            return Err(Error::new(ErrorKind::Closed, "sender closed"));
+        }
+        if self.sh.peer_stopped.load(Ordering::Acquire) {
+            return Err(Error::new(
+                ErrorKind::Closed,
+                "the peer dropped its receiving half; nothing sent now would be read",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Writes what is pending now; `Ok(true)` when all of it was written.
+    fn write_now(&self, w: &mut Writer) -> Result<bool> {
+        match w.write(&self.sh.stream) {
+            Ok(Wrote::All) => Ok(true),
+            Ok(Wrote::Blocked) => {
+                // The flusher waits for the socket and carries on.
+                self.sh.kick();
+                Ok(false)
+            }
+            Err(e) => {
+                let e = write_error(e);
+                self.sh.fail(e.duplicate(), false);
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits until `done` holds for the writer (the flusher wakes us as it writes).
+    fn poll_writer(
+        &mut self,
+        cx: &mut Context<'_>,
+        done: impl Fn(&Writer) -> bool,
+    ) -> Poll<Result<()>> {
+        {
+            let mut w = self.sh.lock();
+            if done(&w) {
+                return Poll::Ready(Ok(()));
+            }
+            if self.write_now(&mut w)? && done(&w) {
+                return Poll::Ready(Ok(()));
+            }
+        }
+        self.sh.tx.register(cx.waker());
+        self.sh.kick();
+        // Registered: a change from here on wakes us; one that came before is seen here.
+        if let Some(e) = self.sh.error() {
+            return Poll::Ready(Err(e));
+        }
+        if done(&self.sh.lock()) {
+            return Poll::Ready(Ok(()));
+        }
+        Poll::Pending
+    }
+}
+
+impl SendHalf for DirectSender {
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        self.check()?;
+        let (max_msgs, max_bytes) = (
+            self.sh.cfg.send_queue.max(1),
+            self.sh.cfg.send_queue_bytes as u64,
+        );
+        let room = |w: &Writer| w.pending() < max_bytes && w.batch.messages() < max_msgs;
+        match self.poll_writer(cx, room) {
+            Poll::Ready(r) => Poll::Ready(r.and_then(|()| self.check())),
+            Poll::Pending => match self.check() {
+                Err(e) => Poll::Ready(Err(e)),
+                Ok(()) => Poll::Pending,
+            },
+        }
+    }
+
+    fn start_send(&mut self, msg: Message) -> Result<()> {
+        if let Err(e) = self.check() {
+            return Err(e.with_message(msg));
+        }
+        let mut w = self.sh.lock();
+        w.push(msg);
+        self.accepted = w.appended;
+        Ok(())
+    }
+
+    /// Hands what was accepted to the socket: now when the connection was quiet or enough is
+    /// pending, otherwise when this task yields (the flusher). Either way it is the
+    /// transport's now.
+    fn poll_submit(&mut self, _cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let mut w = self.sh.lock();
+        if w.pending() == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        let now = w.batch.messages() >= BATCH_MESSAGES
+            || w.batch.bytes() >= BATCH_BYTES
+            || self.sh.busy_poll
+            || w.last_write.elapsed() >= QUIET;
+        if now {
+            self.write_now(&mut w)?;
+        } else {
+            drop(w);
+            self.sh.kick();
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let target = self.accepted;
+        self.poll_writer(cx, |w| w.written >= target)
+    }
+
+    fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        if !self.closing {
+            self.closing = true;
+            let mut w = self.sh.lock();
+            if !w.closing {
+                w.closing = true;
+                w.push_control(&Control::Close);
+            }
+        }
+        match self.poll_writer(cx, |w| w.close_written) {
+            Poll::Ready(Err(e)) if e.kind() == ErrorKind::Closed => Poll::Ready(Ok(())),
+            other => other,
+        }
+    }
+}
+
+impl Drop for DirectSender {
+    fn drop(&mut self) {
+        // Drop is a close: the flusher writes what is pending and `CLOSE`, within `linger`.
+        {
+            let mut w = self.sh.lock();
+            if !w.closing {
+                w.closing = true;
+                w.push_control(&Control::Close);
+            }
+        }
+        self.sh.sender_gone.store(true, Ordering::Release);
+        self.sh.kick();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Receiver
+// ---------------------------------------------------------------------------------------
+
+/// Where reading stands: the decoder (with any large body it is filling), the bytes read
+/// and not decoded yet, the stall timer of a frame that is only partly there, and what the
+/// flusher read ahead for the Receiver.
+pub(super) struct ReadState {
+    dec: Decoder,
+    src: BytesMut,
+    stall: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Messages the flusher decoded while the Receiver was busy (bounded by the receive
+    /// queue); the Receiver takes them first.
+    early: std::collections::VecDeque<Message>,
+    early_bytes: usize,
+    /// How the peer's direction ended, when the flusher saw it first.
+    end: Option<End>,
+}
+
+/// How the peer's direction ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum End {
+    /// Its `CLOSE` (the rest of the stream may still hold `STOP` or `ERROR`).
+    Closed,
+    /// Its EOF after `CLOSE`.
+    Eof,
+    /// The connection failed.
+    Failed,
+}
+
+/// What a read step gave.
+enum Got {
+    Message(Message),
+    /// The peer's `CLOSE`: its direction has ended.
+    Closed,
+    /// EOF after the peer's `CLOSE`.
+    Eof,
+}
+
+impl ReadState {
+    /// Decodes the next message or end of the peer's direction, reading as needed. Control
+    /// frames are acted on here. `Err((e, tell_peer))` ends the connection.
+    ///
+    /// Without a context (the flusher reading ahead) it never registers with the socket: it
+    /// returns `Pending` as soon as the socket has nothing.
+    fn poll_next(
+        &mut self,
+        sh: &Shared,
+        mut cx: Option<&mut Context<'_>>,
+        busy: bool,
+    ) -> Poll<std::result::Result<Got, (Error, bool)>> {
+        let mut spins = 0;
+        loop {
+            match self.dec.decode(&mut self.src) {
+                Ok(Some(Frame::Message(_))) if sh.peer_closed.load(Ordering::Acquire) => {
+                    return Poll::Ready(Err(protocol(
+                        "the peer sent a message after its CLOSE frame",
+                    )));
+                }
+                Ok(Some(Frame::Message(m))) => {
+                    self.stall = None;
+                    return Poll::Ready(Ok(Got::Message(m)));
+                }
+                Ok(Some(Frame::Control(Control::Close))) => {
+                    sh.peer_closed.store(true, Ordering::Release);
+                    return Poll::Ready(Ok(Got::Closed));
+                }
+                Ok(Some(Frame::Control(Control::Stop))) => {
+                    sh.peer_stopped.store(true, Ordering::Release);
+                    sh.tx.wake();
+                    continue;
+                }
+                Ok(Some(Frame::Control(Control::Error(reason)))) => {
+                    return Poll::Ready(Err((
+                        Error::new(
+                            ErrorKind::Protocol,
+                            format!("the peer closed the connection: {reason}"),
+                        ),
+                        false,
+                    )));
+                }
+                Ok(None) => {}
+                Err(e) => return Poll::Ready(Err(protocol(e))),
+            }
+            if sh.failed() {
+                return Poll::Ready(Err((
+                    Error::new(ErrorKind::Closed, "connection closed"),
+                    false,
+                )));
+            }
+            let mid_frame = !self.dec.is_at_boundary(&self.src);
+            match self.read(&sh.stream) {
+                Ok(0) if mid_frame => {
+                    return Poll::Ready(Err((
+                        Error::new(
+                            ErrorKind::ConnectionLost,
+                            "peer closed the connection in the middle of a frame (truncated frame)",
+                        ),
+                        false,
+                    )));
+                }
+                Ok(0) if sh.peer_closed.load(Ordering::Acquire) => {
+                    return Poll::Ready(Ok(Got::Eof));
+                }
+                Ok(0) => {
+                    return Poll::Ready(Err((
+                        Error::new(
+                            ErrorKind::ConnectionLost,
+                            "peer closed the connection without closing the channel (did it exit or crash?)",
+                        ),
+                        false,
+                    )));
+                }
+                Ok(_) => {
+                    self.stall = None;
+                    continue;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Poll::Ready(Err((Error::io("reading from the peer", e), false))),
+            }
+            let Some(cx) = cx.as_deref_mut() else {
+                return Poll::Pending;
+            };
+            if busy {
+                spins += 1;
+                if spins < SPIN_READS {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            match sh.stream.poll_read_ready(cx) {
+                Poll::Ready(Ok(())) => continue,
+                Poll::Ready(Err(e)) => {
+                    return Poll::Ready(Err((Error::io("reading from the peer", e), false)));
+                }
+                Poll::Pending => {}
+            }
+            if mid_frame {
+                let stall = sh.cfg.stall_timeout;
+                let timer = self
+                    .stall
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+                if timer.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Err((
+                        Error::new(
+                            ErrorKind::TimedOut,
+                            format!("peer stalled in the middle of a frame for {stall:?}"),
+                        ),
+                        true,
+                    )));
+                }
+            }
+            return Poll::Pending;
+        }
+    }
+
+    /// One non-blocking read: into a large body's own buffer, or into the shared buffer.
+    fn read(&mut self, stream: &TcpStream) -> io::Result<usize> {
+        use bytes::BufMut;
+        if let Some((body, missing)) = self.dec.body_target() {
+            let mut limited = body.limit(missing);
+            return stream.try_read_buf(&mut limited);
+        }
+        let want = self.dec.wanted(&self.src).max(4096);
+        if self.src.capacity() - self.src.len() < want {
+            self.src.reserve(want.max(READ_CHUNK));
+        }
+        stream.try_read_buf(&mut self.src)
+    }
+}
+
+fn protocol(e: impl std::fmt::Display) -> (Error, bool) {
+    (Error::new(ErrorKind::Protocol, e.to_string()), true)
+}
+
+pub(super) struct DirectReceiver {
+    sh: Arc<Shared>,
+    done: bool,
+}
+
+impl DirectReceiver {
+    fn end(&mut self, end: End) -> Poll<Option<Result<Message>>> {
+        self.done = true;
+        // The flusher reads the rest of the stream (STOP, ERROR, EOF) from here on.
+        self.sh.kick();
+        match end {
+            End::Closed | End::Eof => Poll::Ready(None),
+            End::Failed => Poll::Ready(self.sh.recv_error.get().map(|e| Err(e.duplicate()))),
+        }
+    }
+}
+
+impl RecvHalf for DirectReceiver {
+    fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        let sh = self.sh.clone();
+        sh.rx_parked.store(false, Ordering::Relaxed);
+        let mut st = sh.read_state();
+        if let Some(m) = st.early.pop_front() {
+            let full = st.early.len() + 1 >= sh.cfg.recv_queue.max(1)
+                || st.early_bytes >= sh.cfg.recv_queue_bytes;
+            st.early_bytes -= m.body().len();
+            if full {
+                // The flusher stopped reading ahead for room: there is some now.
+                sh.kick();
+            }
+            return Poll::Ready(Some(Ok(m)));
+        }
+        if let Some(end) = st.end {
+            drop(st);
+            return self.end(end);
+        }
+        match st.poll_next(&sh, Some(cx), sh.busy_poll) {
+            Poll::Ready(Ok(Got::Message(m))) => Poll::Ready(Some(Ok(m))),
+            Poll::Ready(Ok(Got::Closed)) => {
+                st.end = Some(End::Closed);
+                drop(st);
+                self.end(End::Closed)
+            }
+            Poll::Ready(Ok(Got::Eof)) => {
+                st.end = Some(End::Eof);
+                drop(st);
+                self.end(End::Eof)
+            }
+            Poll::Ready(Err((e, tell_peer))) => {
+                st.end = Some(End::Failed);
+                drop(st);
+                if !sh.failed() {
+                    if e.kind() == ErrorKind::ConnectionLost {
+                        tracing::debug!(peer = %sh.peer, "connection lost: {e}");
+                    } else {
+                        tracing::warn!(peer = %sh.peer, "closing connection: {e}");
+                    }
+                }
+                sh.fail(e, tell_peer);
+                self.end(End::Failed)
+            }
+            Poll::Pending => {
+                // Registered with the socket: the flusher leaves reading to us meanwhile (and
+                // wakes us if it read something all the same).
+                sh.rx.register(cx.waker());
+                sh.rx_parked.store(true, Ordering::Relaxed);
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl Drop for DirectReceiver {
+    fn drop(&mut self) {
+        if !self.done {
+            // Tell the peer to stop sending (unless the stream already ended).
+            self.sh.lock().stop_owed = true;
+        }
+        let discarded = {
+            let mut st = self.sh.read_state();
+            st.early_bytes = 0;
+            std::mem::take(&mut st.early).len()
+        };
+        if discarded > 0 {
+            tracing::debug!(
+                messages = discarded,
+                "tcp receiver dropped with messages read ahead"
+            );
+        }
+        self.sh.receiver_gone.store(true, Ordering::Release);
+        self.sh.kick();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Flusher
+// ---------------------------------------------------------------------------------------
+
+/// The connection's task: writes what the Sender left and the control frames, reads ahead
+/// while the Receiver is busy (so that a `STOP` or an `ERROR` is seen even by a side that
+/// only sends) and after it is gone, and winds the connection down:
+///
+/// * the write side ends with `CLOSE` (the Sender's close or drop); it stays open after that
+///   while the Receiver may still owe a `STOP`, then is shut down (FIN);
+/// * the read side ends at the peer's EOF;
+/// * once both halves are gone, whatever is left finishes within `linger`.
+async fn flusher(sh: Arc<Shared>) {
+    let mut write_shut = false;
+    let mut discarded = 0u64;
+    let mut linger_until: Option<tokio::time::Instant> = None;
+    loop {
+        let blocked = match write_owed(&sh) {
+            Ok(b) => b,
+            Err(e) => {
+                sh.fail(write_error(e), false);
+                true
+            }
+        };
+        if sh.failed() {
+            finish_failed(&sh).await;
+            return;
+        }
+        let receiver_gone = sh.receiver_gone.load(Ordering::Acquire);
+        let (reader_done, can_read) = {
+            let st = sh.read_state();
+            let reader_done = matches!(st.end, Some(End::Eof | End::Failed));
+            let room = receiver_gone
+                || (st.early.len() < sh.cfg.recv_queue.max(1)
+                    && st.early_bytes < sh.cfg.recv_queue_bytes);
+            (reader_done, !reader_done && room)
+        };
+        let receiver_finished = receiver_gone || {
+            let st = sh.read_state();
+            st.end.is_some() && st.early.is_empty()
+        };
+        if !write_shut && !blocked && receiver_finished && sh.lock().close_written {
+            let _ = SockRef::from(&sh.stream).shutdown(Shutdown::Write);
+            write_shut = true;
+        }
+        if write_shut && reader_done {
+            break;
+        }
+        if sh.sender_gone.load(Ordering::Acquire) && receiver_gone {
+            // Nothing local uses the connection any more: finish within `linger`.
+            let until =
+                *linger_until.get_or_insert_with(|| tokio::time::Instant::now() + sh.cfg.linger);
+            if tokio::time::Instant::now() >= until {
+                tracing::debug!(peer = %sh.peer, "linger time over; closing");
+                break;
+            }
+        }
+        // Wait for work, for room in the socket, or for something to read while nobody else
+        // is reading it.
+        let readable = sh.stream.readable();
+        tokio::pin!(readable);
+        let wait = poll_fn(|cx| {
+            sh.flusher.register(cx.waker());
+            if sh.work.swap(false, Ordering::AcqRel) || sh.failed() {
+                return Poll::Ready(());
+            }
+            if blocked && sh.stream.poll_write_ready(cx).is_ready() {
+                return Poll::Ready(());
+            }
+            let ours = receiver_gone || !sh.rx_parked.load(Ordering::Relaxed);
+            if can_read && ours && readable.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(());
+            }
+            Poll::Pending
+        });
+        match linger_until {
+            Some(until) => {
+                let _ = tokio::time::timeout_at(until, wait).await;
+            }
+            None => wait.await,
+        }
+        if can_read && (receiver_gone || !sh.rx_parked.load(Ordering::Relaxed)) {
+            read_ahead(&sh, &mut discarded);
+        }
+    }
+    if discarded > 0 {
+        tracing::info!(peer = %sh.peer, discarded, "connection ended; messages no receiver read were discarded");
+    }
+    let _ = SockRef::from(&sh.stream).shutdown(Shutdown::Both);
+    sh.tx.wake();
+}
+
+/// Reads what the socket has (never waiting): messages go to the Receiver's early queue
+/// while there is room (or are discarded once it is gone), control frames are acted on.
+fn read_ahead(sh: &Shared, discarded: &mut u64) {
+    // The Receiver may be reading right now: then it is its turn.
+    let Ok(mut st) = sh.r.try_lock() else {
+        return;
+    };
+    let gone = sh.receiver_gone.load(Ordering::Acquire);
+    let before = (st.early.len(), st.end);
+    read_into(sh, &mut st, gone, discarded);
+    if (st.early.len(), st.end) != before {
+        drop(st);
+        sh.rx.wake();
+    }
+}
+
+fn read_into(sh: &Shared, st: &mut ReadState, gone: bool, discarded: &mut u64) {
+    loop {
+        if matches!(st.end, Some(End::Eof | End::Failed)) {
+            return;
+        }
+        if !gone
+            && (st.early.len() >= sh.cfg.recv_queue.max(1)
+                || st.early_bytes >= sh.cfg.recv_queue_bytes)
+        {
+            return;
+        }
+        match st.poll_next(sh, None, false) {
+            Poll::Ready(Ok(Got::Message(m))) => {
+                if gone {
+                    *discarded += 1;
+                } else {
+                    st.early_bytes += m.body().len();
+                    st.early.push_back(m);
+                }
+            }
+            Poll::Ready(Ok(Got::Closed)) => {
+                if st.end.is_none() {
+                    st.end = Some(End::Closed);
+                }
+            }
+            Poll::Ready(Ok(Got::Eof)) => st.end = Some(End::Eof),
+            Poll::Ready(Err((e, tell_peer))) => {
+                st.end = Some(End::Failed);
+                if e.kind() != ErrorKind::ConnectionLost && !sh.failed() {
+                    tracing::warn!(peer = %sh.peer, "closing connection: {e}");
+                }
+                sh.fail(e, tell_peer);
+                return;
+            }
+            Poll::Pending => return,
+        }
+    }
+}
+
+/// Writes the owed `STOP` and whatever is pending; `Ok(true)` when the socket is full.
+fn write_owed(sh: &Shared) -> io::Result<bool> {
+    let mut w = sh.lock();
+    if w.stop_owed {
+        w.stop_owed = false;
+        w.push_control(&Control::Stop);
+    }
+    let r = w.write(&sh.stream);
+    drop(w);
+    sh.tx.wake();
+    Ok(matches!(r?, Wrote::Blocked))
+}
+
+/// After a failure: the `ERROR` frame owed to the peer (best effort, bounded), then shut
+/// down.
+async fn finish_failed(sh: &Shared) {
+    let reason = sh.lock().error_reason.take();
+    if let Some(reason) = reason {
+        {
+            let mut w = sh.lock();
+            // What was pending is abandoned: the stream position is lost anyway.
+            w.out.clear();
+            w.batch.take();
+            w.push_control(&Control::Error(reason));
+        }
+        let _ = tokio::time::timeout(ERROR_WRITE, async {
+            loop {
+                let r = sh.lock().write(&sh.stream);
+                match r {
+                    Ok(Wrote::Blocked) => {
+                        if sh.stream.writable().await.is_err() {
+                            return;
+                        }
+                    }
+                    _ => return,
+                }
+            }
+        })
+        .await;
+    }
+    let _ = SockRef::from(&sh.stream).shutdown(Shutdown::Both);
+    sh.tx.wake();
+}
