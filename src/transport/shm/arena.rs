@@ -98,8 +98,9 @@ enum End {
     Back,
 }
 
-/// Blocks of at least this many bytes look for room where memory was freed last (reclaiming
-/// first): for them the caches matter more than the two loads that costs.
+/// Blocks of at least this many bytes reclaim before they look for room, so that they can
+/// take the place of a block freed just now: for them the caches matter more than the two
+/// loads that costs.
 const HOT_MIN: u64 = 4096;
 
 /// The producer's allocator state.
@@ -108,9 +109,10 @@ const HOT_MIN: u64 = 4096;
 /// and the free space is the rest, also one span. A block is placed at either end of the
 /// live span — after `back` or before `front` — and reclaimed at either end once free, so
 /// the free space stays one span (a block fits whenever it fits in one piece of it: the same
-/// room as a plain ring). Placing the next block where the last block was reclaimed reuses
-/// memory that is still in the caches: a stream with one or two bodies in flight cycles
-/// through one or two blocks instead of walking the whole arena.
+/// room as a plain ring). A block goes before the front when it fits there without wrapping,
+/// after the back otherwise, so the span keeps sliding back towards offset 0: a stream with
+/// a few bodies in flight cycles through the same few blocks, which stay in the caches,
+/// instead of walking the whole arena.
 #[derive(Debug)]
 pub(crate) struct ArenaProducer {
     len: u64,
@@ -121,8 +123,6 @@ pub(crate) struct ArenaProducer {
     used: u64,
     /// Live blocks and skips, from `front` to `back`.
     live: VecDeque<Live>,
-    /// The end where space was freed last: tried first.
-    hot: End,
 }
 
 impl ArenaProducer {
@@ -134,7 +134,6 @@ impl ArenaProducer {
             back: 0,
             used: 0,
             live: VecDeque::new(),
-            hot: End::Back,
         }
     }
 
@@ -176,18 +175,19 @@ impl ArenaProducer {
         Some((at, hold))
     }
 
-    /// An end where a block of `need` bytes fits now, the hot one first, and its skip.
+    /// An end where a block of `need` bytes fits now, and its skip: before the front when it
+    /// fits there without wrapping (towards offset 0), after the back otherwise.
     fn choose(&mut self, need: u64) -> Option<(End, u64)> {
-        if self.used == 0 && self.back + need > self.len {
-            // Empty, but the block does not fit after where the last one was: start over at
-            // offset 0 rather than skip.
-            (self.front, self.back, self.hot) = (0, 0, End::Back);
+        if self.used == 0 {
+            // Empty: start over at offset 0.
+            (self.front, self.back) = (0, 0);
         }
-        let other = match self.hot {
-            End::Front => End::Back,
-            End::Back => End::Front,
+        let order = if self.used > 0 && self.front >= need {
+            [End::Front, End::Back]
+        } else {
+            [End::Back, End::Front]
         };
-        [self.hot, other]
+        order
             .into_iter()
             .find_map(|end| self.fit(end, need).map(|skip| (end, skip)))
     }
@@ -278,6 +278,18 @@ impl ArenaProducer {
         }
     }
 
+    /// True when two or more blocks the size of `payload` are in flight already: a third
+    /// would go to memory the caches no longer hold. The sender then waits a little for one
+    /// to come back (see `conn`), as a queue two deep would make it.
+    pub(crate) fn deep(&mut self, refs: &impl BlockRefs, payload: u64) -> bool {
+        let need = block_len(payload);
+        if need < HOT_MIN || self.used < 2 * need {
+            return false;
+        }
+        self.reclaim(refs);
+        self.used >= 2 * need
+    }
+
     /// True when a block for `payload` bytes could be allocated now (reclaiming first).
     pub(crate) fn has_room(&mut self, refs: &impl BlockRefs, payload: u64) -> bool {
         let need = block_len(payload);
@@ -303,31 +315,15 @@ impl ArenaProducer {
                     && refs.refs(b.offset).load(Ordering::Acquire) == 0)
         };
         let before = self.used;
-        // The end, and the offset, of the block reclaimed last.
-        let mut last = None;
         while let Some(b) = self.live.front().filter(|b| free(b)) {
             self.used -= b.len;
             self.front = (b.offset + b.len) % self.len;
-            if !b.skip {
-                last = Some((End::Front, b.offset));
-            }
             self.live.pop_front();
         }
         while let Some(b) = self.live.back().filter(|b| free(b)) {
             self.used -= b.len;
             self.back = b.offset;
-            if !b.skip {
-                last = Some((End::Back, b.offset));
-            }
             self.live.pop_back();
-        }
-        if let Some((end, offset)) = last {
-            self.hot = end;
-            if self.live.is_empty() {
-                // Empty: the next block goes where the last one was (the memory the caches
-                // hold), growing the span from there.
-                (self.front, self.back, self.hot) = (offset, offset, End::Back);
-            }
         }
         self.used != before
     }
@@ -395,8 +391,8 @@ mod tests {
         assert!(release(&refs, b2));
         assert!(!a.reclaim(&refs));
         assert!(a.alloc(&refs, 400, 1).is_none());
-        // The last one is: the span shrinks to the first block, and the hot end is where
-        // the last block was.
+        // The last one is: the span shrinks to the first block, and the next block goes
+        // after it (it does not fit before it).
         assert!(release(&refs, b3));
         assert_eq!(a.alloc(&refs, 400, 1), Some(192));
         assert!(release(&refs, b1));
@@ -426,12 +422,12 @@ mod tests {
         assert!(a.alloc(&refs, 500, 1).is_some());
     }
 
-    /// A stream with one or two bodies in flight reuses the same one or two blocks (the ones
-    /// in the caches) instead of walking the arena; a deep one fills all of it.
+    /// A stream with a few bodies in flight reuses the same few blocks near the start of the
+    /// arena (the ones in the caches) instead of walking it; a deep one fills all of it.
     #[test]
     fn shallow_streams_reuse_hot_blocks() {
         let len = 64 * 1024;
-        for depth in [1usize, 2] {
+        for depth in [1usize, 2, 3] {
             let refs = HeapRefs::new(len);
             let mut a = ArenaProducer::new(len);
             let mut flight = std::collections::VecDeque::new();
@@ -444,10 +440,13 @@ mod tests {
                 seen.insert(b);
                 flight.push_back(b);
             }
+            // At most a block or two more than are in flight, all near the start.
             assert!(
-                seen.len() <= depth + 1,
+                seen.len() <= depth + 2,
                 "depth {depth}: blocks used {seen:?}"
             );
+            let span = (depth as u64 + 2) * block_len(8000);
+            assert!(seen.iter().all(|&o| o < span), "depth {depth}: {seen:?}");
         }
         let refs = HeapRefs::new(len);
         let mut a = ArenaProducer::new(len);

@@ -62,6 +62,10 @@ const CHUNK: usize = 16 << 10;
 /// reply in a request/response exchange (a round trip is a microsecond or two) without
 /// sleeping, short enough not to burn a core on an idle channel.
 const SPIN: Duration = Duration::from_micros(20);
+/// How long a sender with two large bodies in flight waits for one to come back before it
+/// takes colder memory for a third (see `ArenaProducer::deep`): a body filled in memory the
+/// receiver just read is read again from the caches, at several times memory speed.
+const HOT_WAIT: Duration = Duration::from_micros(300);
 /// External bodies (memfds) in flight per direction: sent and not yet released by the
 /// receiver. The receiver fails a peer that sends more.
 pub(crate) const MAX_EXTERNAL: u64 = 8;
@@ -509,6 +513,7 @@ impl ShmSender {
                 d.body_at(at);
             }
             BodyPlace::Copy => {
+                self.wait_hot(body_len);
                 let Some(at) = self.arena.alloc(&self.refs, body_len, 1) else {
                     if let Some(h) = head_block {
                         arena::release(&self.refs, h);
@@ -707,6 +712,20 @@ impl ShmSender {
         }
     }
 
+    /// With two large bodies in flight, spins up to [`HOT_WAIT`] for one to come back, so
+    /// that the next goes where the caches still hold the memory.
+    fn wait_hot(&mut self, payload: u64) {
+        if !self.arena.deep(&self.refs, payload) {
+            return;
+        }
+        let start = std::time::Instant::now();
+        while start.elapsed() < HOT_WAIT && self.arena.deep(&self.refs, payload) {
+            for _ in 0..64 {
+                crate::loom::sync::spin_hint();
+            }
+        }
+    }
+
     /// Moves the sender's state out (for a background close), leaving an inert stand-in.
     fn detach(&mut self) -> ShmSender {
         let stand_in = ShmSender {
@@ -803,6 +822,7 @@ impl SendHalf for ShmSender {
             // peer not trusted with views of our arena (sending copies it into the arena).
             return Poll::Ready(Ok(BodyMut::zeroed(len)));
         }
+        self.wait_hot(len as u64);
         loop {
             if let Some((at, hold)) = self.arena.alloc_held(&self.refs, len as u64) {
                 let ptr = self.refs.ptr(desc::payload(at), len as u64);
