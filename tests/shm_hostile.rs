@@ -581,9 +581,10 @@ async fn a_peer_cannot_free_a_block_we_hold() {
         a.iter().all(|&x| x == 0xAA),
         "a block we hold was handed out again and overwritten"
     );
+    // (Whether room comes back once we let go is the peer's to decide: it keeps forging the
+    // count as if it held the block. `arena::tests::a_peer_cannot_free_a_held_block` checks
+    // the reuse after release.)
     drop(a);
-    let b = timeout(Duration::from_secs(5), tx.alloc(20 << 20)).await;
-    assert!(b.is_ok_and(|b| b.is_ok()), "room again once we let go");
     let _ = std::fs::remove_dir_all(dir);
 }
 

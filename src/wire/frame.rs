@@ -146,15 +146,22 @@ impl FrameHead {
         })
     }
 
-    /// Appends the 24-byte encoding.
+    /// The 24-byte encoding.
+    pub fn to_bytes(&self) -> [u8; FRAME_HEAD_LEN] {
+        let first = u64::from(self.kind as u8)
+            | u64::from(self.flags.bits()) << 8
+            | u64::from(self.type_len) << 16
+            | u64::from(self.meta_len) << 32;
+        let mut b = [0u8; FRAME_HEAD_LEN];
+        b[..8].copy_from_slice(&first.to_le_bytes());
+        b[8..16].copy_from_slice(&self.body_len.to_le_bytes());
+        b[16..].copy_from_slice(&self.correlation.to_le_bytes());
+        b
+    }
+
+    /// Appends the 24-byte encoding (one copy of three words, not seven small writes).
     pub fn encode(&self, dst: &mut impl BufMut) {
-        dst.put_u8(self.kind as u8);
-        dst.put_u8(self.flags.bits());
-        dst.put_u8(self.type_len);
-        dst.put_u8(0);
-        dst.put_u32_le(self.meta_len);
-        dst.put_u64_le(self.body_len);
-        dst.put_u64_le(self.correlation);
+        dst.put_slice(&self.to_bytes());
     }
 
     /// Header, type and metadata: the bytes before the body.
@@ -345,7 +352,9 @@ impl Decoder {
     ) -> Result<(MsgType, Meta), FrameError> {
         let t_end = FRAME_HEAD_LEN + head.type_len as usize;
         let meta_len = head.meta_len as usize;
-        let kind = self.types.get(&src[FRAME_HEAD_LEN..t_end])?;
+        // By reference, cloned where it goes (moving a `MsgType` through results costs more
+        // than the lookup).
+        let kind = self.types.lookup(&src[FRAME_HEAD_LEN..t_end])?.clone();
         Meta::validate_wire(
             &src[t_end..t_end + meta_len],
             self.limits.max_meta_entries as usize,

@@ -191,10 +191,6 @@ pub fn head_len(msg: &Message) -> usize {
 pub(crate) struct TypeCache(Option<MsgType>);
 
 impl TypeCache {
-    pub(crate) fn get(&mut self, bytes: &[u8]) -> Result<MsgType, crate::message::InvalidType> {
-        self.lookup(bytes).cloned()
-    }
-
     /// The type named `bytes`, validated (once per run of one type). A reference, so that
     /// the caller clones it straight to where it goes: moving a `MsgType` through results and
     /// tuples costs more than the lookup.

@@ -10,11 +10,13 @@
 //!
 //! **Writes.** `send` encodes the frame into the shared write buffer ([`Batch`]: small
 //! bodies next to their header, large ones as the caller's own `Bytes`) and then decides when
-//! to write it. A message sent after the connection was quiet for [`QUIET`] goes out at once,
-//! from the sender's task (one `writev`: a request or a reply waits for nothing); messages
-//! sent back to back accumulate and go out when [`BATCH_MESSAGES`] or [`BATCH_BYTES`] are
-//! pending, from the sender's task too, or when the sender's task yields, from the flusher
-//! (one `writev` for all of them). So a stream of small messages costs a system call per
+//! to write it. The first message sent after the sender's task has yielded (waited for
+//! anything: a reply, a timer, the next request) goes out at once, from the sender's task
+//! (one `writev`: a request or a reply waits for nothing); messages sent back to back,
+//! without a yield in between, accumulate and go out when [`BATCH_MESSAGES`] or
+//! [`BATCH_BYTES`] are pending, from the sender's task too, or when the task yields, from the
+//! flusher (one `writev` for all of them). The flusher, woken after each write, is what
+//! notices the yield: it runs only when the sender's task lets the runtime run it. So a stream of small messages costs a system call per
 //! batch, and a ping-pong one per message, with no thread between the application and the
 //! socket. A full socket is backpressure: `poll_ready` waits (the flusher waits for the
 //! socket to take more and wakes it) once [`Config::send_queue`] messages or
@@ -35,10 +37,10 @@
 use std::io::{self, IoSlice};
 use std::net::Shutdown;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::future::poll_fn;
@@ -51,10 +53,8 @@ use crate::transport::{Config, RecvHalf, SendHalf};
 use crate::wire::{Batch, Control, Decoder, Frame};
 use crate::{Error, ErrorKind, Message};
 
-/// A message sent after the connection was quiet this long is written at once.
-const QUIET: Duration = Duration::from_micros(5);
 /// Pending messages written from the sender's own task without waiting for it to yield.
-const BATCH_MESSAGES: usize = 64;
+const BATCH_MESSAGES: usize = 1024;
 /// ... or pending bytes.
 const BATCH_BYTES: usize = 256 << 10;
 /// Buffers per `writev` (Linux `IOV_MAX` is 1024).
@@ -79,6 +79,10 @@ pub(super) struct Shared {
     peer_stopped: AtomicBool,
     /// The peer's direction has ended (its `CLOSE` was read); set by whoever reads.
     peer_closed: AtomicBool,
+    /// Bytes written and messages taken out of the write buffer: the Sender's view of room
+    /// without taking the lock (it knows what it appended).
+    written: AtomicU64,
+    taken: AtomicU64,
     /// Wakes the flusher: work was left for it.
     flusher: AtomicWaker,
     work: AtomicBool,
@@ -108,8 +112,9 @@ struct Writer {
     /// Bytes appended and written: flush and backpressure compare them.
     appended: u64,
     written: u64,
-    /// When the last write finished, for [`QUIET`].
-    last_write: Instant,
+    /// The flusher has run since the last write: the sender's task has yielded since (or
+    /// nothing was written yet), so the next message goes out at once.
+    yielded: bool,
     stop_owed: bool,
     /// `CLOSE` is appended (the Sender closed or went).
     closing: bool,
@@ -146,7 +151,12 @@ impl Writer {
     }
 
     /// Writes what is pending without blocking.
-    fn write(&mut self, stream: &TcpStream) -> io::Result<Wrote> {
+    fn write(&mut self, sh: &Shared) -> io::Result<Wrote> {
+        let stream = &sh.stream;
+        let msgs = self.batch.messages() as u64;
+        if msgs > 0 {
+            sh.taken.fetch_add(msgs, Ordering::Release);
+        }
         self.batch.take_into(&mut self.out);
         while !self.out.is_empty() {
             let mut iov = [IoSlice::new(&[]); 64];
@@ -168,7 +178,7 @@ impl Writer {
                 Ok(n) => {
                     crate::wire::advance(&mut self.out, n);
                     self.written += n as u64;
-                    self.last_write = Instant::now();
+                    sh.written.store(self.written, Ordering::Release);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Wrote::Blocked),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -212,8 +222,10 @@ impl Shared {
 
     /// Leaves work for the flusher.
     fn kick(&self) {
-        self.work.store(true, Ordering::Release);
-        self.flusher.wake();
+        // A flusher with work left already is woken or running: no second wake-up.
+        if !self.work.swap(true, Ordering::AcqRel) {
+            self.flusher.wake();
+        }
     }
 
     /// Ends the connection with `err` (the first failure wins) and wakes everyone. With
@@ -258,7 +270,7 @@ pub(super) fn start(
             out: Vec::new(),
             appended: 0,
             written: 0,
-            last_write: Instant::now() - QUIET,
+            yielded: true,
             stop_owed: false,
             closing: false,
             close_written: false,
@@ -268,6 +280,8 @@ pub(super) fn start(
         recv_error: OnceLock::new(),
         peer_stopped: AtomicBool::new(false),
         peer_closed: AtomicBool::new(false),
+        written: AtomicU64::new(0),
+        taken: AtomicU64::new(0),
         flusher: AtomicWaker::new(),
         work: AtomicBool::new(false),
         tx: AtomicWaker::new(),
@@ -290,6 +304,7 @@ pub(super) fn start(
     let tx = DirectSender {
         sh: sh.clone(),
         accepted: 0,
+        messages: 0,
         closing: false,
     };
     let rx = DirectReceiver {
@@ -338,6 +353,8 @@ pub(super) struct DirectSender {
     sh: Arc<Shared>,
     /// Bytes appended when the last message was accepted (what `flush` waits for).
     accepted: u64,
+    /// Messages accepted.
+    messages: u64,
     closing: bool,
 }
 
@@ -360,7 +377,7 @@ impl DirectSender {
 
     /// Writes what is pending now; `Ok(true)` when all of it was written.
     fn write_now(&self, w: &mut Writer) -> Result<bool> {
-        match w.write(&self.sh.stream) {
+        match w.write(&self.sh) {
             Ok(Wrote::All) => Ok(true),
             Ok(Wrote::Blocked) => {
                 // The flusher waits for the socket and carries on.
@@ -410,6 +427,13 @@ impl SendHalf for DirectSender {
             self.sh.cfg.send_queue.max(1),
             self.sh.cfg.send_queue_bytes as u64,
         );
+        // Without the lock: bytes this sender appended and not yet written, messages not yet
+        // taken into a write (control frames of others count only under the lock below).
+        if self.accepted - self.sh.written.load(Ordering::Acquire).min(self.accepted) < max_bytes
+            && self.messages - self.sh.taken.load(Ordering::Acquire) < max_msgs as u64
+        {
+            return Poll::Ready(Ok(()));
+        }
         let room = |w: &Writer| w.pending() < max_bytes && w.batch.messages() < max_msgs;
         match self.poll_writer(cx, room) {
             Poll::Ready(r) => Poll::Ready(r.and_then(|()| self.check())),
@@ -427,6 +451,7 @@ impl SendHalf for DirectSender {
         let mut w = self.sh.lock();
         w.push(msg);
         self.accepted = w.appended;
+        self.messages += 1;
         Ok(())
     }
 
@@ -438,16 +463,18 @@ impl SendHalf for DirectSender {
         if w.pending() == 0 {
             return Poll::Ready(Ok(()));
         }
-        let now = w.batch.messages() >= BATCH_MESSAGES
+        let now = w.yielded
+            || w.batch.messages() >= BATCH_MESSAGES
             || w.batch.bytes() >= BATCH_BYTES
-            || self.sh.busy_poll
-            || w.last_write.elapsed() >= QUIET;
+            || self.sh.busy_poll;
         if now {
+            w.yielded = false;
             self.write_now(&mut w)?;
-        } else {
-            drop(w);
-            self.sh.kick();
         }
+        drop(w);
+        // Either way the flusher runs when this task yields: it writes what is left, and
+        // its running tells the next send that the task yielded.
+        self.sh.kick();
         Poll::Ready(Ok(()))
     }
 
@@ -912,11 +939,12 @@ fn read_into(sh: &Shared, st: &mut ReadState, gone: bool, discarded: &mut u64) {
 /// Writes the owed `STOP` and whatever is pending; `Ok(true)` when the socket is full.
 fn write_owed(sh: &Shared) -> io::Result<bool> {
     let mut w = sh.lock();
+    w.yielded = true;
     if w.stop_owed {
         w.stop_owed = false;
         w.push_control(&Control::Stop);
     }
-    let r = w.write(&sh.stream);
+    let r = w.write(sh);
     drop(w);
     sh.tx.wake();
     Ok(matches!(r?, Wrote::Blocked))
@@ -936,7 +964,7 @@ async fn finish_failed(sh: &Shared) {
         }
         let _ = tokio::time::timeout(ERROR_WRITE, async {
             loop {
-                let r = sh.lock().write(&sh.stream);
+                let r = sh.lock().write(sh);
                 match r {
                     Ok(Wrote::Blocked) => {
                         if sh.stream.writable().await.is_err() {
