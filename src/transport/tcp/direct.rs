@@ -15,8 +15,9 @@
 //! (one `writev`: a request or a reply waits for nothing); messages sent back to back,
 //! without a yield in between, accumulate and go out when [`BATCH_MESSAGES`] or
 //! [`BATCH_BYTES`] are pending, from the sender's task too, or when the task yields, from the
-//! flusher (one `writev` for all of them). The flusher, woken after each write, is what
-//! notices the yield: it runs only when the sender's task lets the runtime run it. So a stream of small messages costs a system call per
+//! flusher (one `writev` for all of them). What marks the yield is the flusher running
+//! (which it does only when the sender's task lets the runtime run it) or the Receiver
+//! finding the socket empty (the request/response case, with no flusher run at all). So a stream of small messages costs a system call per
 //! batch, and a ping-pong one per message, with no thread between the application and the
 //! socket. A full socket is backpressure: `poll_ready` waits (the flusher waits for the
 //! socket to take more and wakes it) once [`Config::send_queue`] messages or
@@ -83,6 +84,9 @@ pub(super) struct Shared {
     /// without taking the lock (it knows what it appended).
     written: AtomicU64,
     taken: AtomicU64,
+    /// The task sending has yielded since the last write (the flusher ran, or the Receiver
+    /// parked), or nothing was written yet: the next message goes out at once.
+    yielded: AtomicBool,
     /// Wakes the flusher: work was left for it.
     flusher: AtomicWaker,
     work: AtomicBool,
@@ -112,9 +116,6 @@ struct Writer {
     /// Bytes appended and written: flush and backpressure compare them.
     appended: u64,
     written: u64,
-    /// The flusher has run since the last write: the sender's task has yielded since (or
-    /// nothing was written yet), so the next message goes out at once.
-    yielded: bool,
     stop_owed: bool,
     /// `CLOSE` is appended (the Sender closed or went).
     closing: bool,
@@ -270,7 +271,6 @@ pub(super) fn start(
             out: Vec::new(),
             appended: 0,
             written: 0,
-            yielded: true,
             stop_owed: false,
             closing: false,
             close_written: false,
@@ -282,6 +282,7 @@ pub(super) fn start(
         peer_closed: AtomicBool::new(false),
         written: AtomicU64::new(0),
         taken: AtomicU64::new(0),
+        yielded: AtomicBool::new(true),
         flusher: AtomicWaker::new(),
         work: AtomicBool::new(false),
         tx: AtomicWaker::new(),
@@ -463,17 +464,17 @@ impl SendHalf for DirectSender {
         if w.pending() == 0 {
             return Poll::Ready(Ok(()));
         }
-        let now = w.yielded
+        let now = self.sh.yielded.swap(false, Ordering::Relaxed)
             || w.batch.messages() >= BATCH_MESSAGES
-            || w.batch.bytes() >= BATCH_BYTES
-            || self.sh.busy_poll;
-        if now {
-            w.yielded = false;
-            self.write_now(&mut w)?;
+            || w.batch.bytes() >= BATCH_BYTES;
+        if now && self.write_now(&mut w)? {
+            // All written: nothing for the flusher. A request/response exchange parks its
+            // Receiver before the next send, which marks the yield.
+            return Poll::Ready(Ok(()));
         }
         drop(w);
-        // Either way the flusher runs when this task yields: it writes what is left, and
-        // its running tells the next send that the task yielded.
+        // The flusher runs when this task yields: it writes what is left, and its running
+        // tells the next send that the task yielded.
         self.sh.kick();
         Poll::Ready(Ok(()))
     }
@@ -605,7 +606,7 @@ impl ReadState {
                 )));
             }
             let mid_frame = !self.dec.is_at_boundary(&self.src);
-            match self.read(&sh.stream) {
+            match self.read(&sh.stream, busy) {
                 Ok(0) if mid_frame => {
                     return Poll::Ready(Err((
                         Error::new(
@@ -631,7 +632,13 @@ impl ReadState {
                     self.stall = None;
                     continue;
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // The task waited for input: what it sends next answers it, and goes out
+                    // at once (see `DirectSender::poll_submit`).
+                    if cx.is_some() {
+                        sh.yielded.store(true, Ordering::Relaxed);
+                    }
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Poll::Ready(Err((Error::io("reading from the peer", e), false))),
             }
@@ -674,17 +681,33 @@ impl ReadState {
     }
 
     /// One non-blocking read: into a large body's own buffer, or into the shared buffer.
-    fn read(&mut self, stream: &TcpStream) -> io::Result<usize> {
+    ///
+    /// `direct`: a `recv` system call whatever tokio's readiness says. tokio answers
+    /// `WouldBlock` without asking the kernel once a read found the socket empty, until its
+    /// reactor polls epoll again; a busy-polling receiver must ask the kernel itself.
+    fn read(&mut self, stream: &TcpStream, direct: bool) -> io::Result<usize> {
         use bytes::BufMut;
-        if let Some((body, missing)) = self.dec.body_target() {
-            let mut limited = body.limit(missing);
-            return stream.try_read_buf(&mut limited);
+        let (buf, most): (&mut BytesMut, usize) = match self.dec.body_target() {
+            // Never past the body: what follows it belongs to the next frame.
+            Some((body, missing)) => (body, missing),
+            None => {
+                let want = self.dec.wanted(&self.src).max(4096);
+                if self.src.capacity() - self.src.len() < want {
+                    self.src.reserve(want.max(READ_CHUNK));
+                }
+                (&mut self.src, usize::MAX)
+            }
+        };
+        if !direct {
+            return stream.try_read_buf(&mut buf.limit(most));
         }
-        let want = self.dec.wanted(&self.src).max(4096);
-        if self.src.capacity() - self.src.len() < want {
-            self.src.reserve(want.max(READ_CHUNK));
-        }
-        stream.try_read_buf(&mut self.src)
+        let spare = buf.spare_capacity_mut();
+        let take = spare.len().min(most);
+        let n = SockRef::from(stream).recv(&mut spare[..take])?;
+        // SAFETY: `recv` initialised the first `n` bytes of the spare capacity (it returns how
+        // many it wrote, at most the length it was given).
+        unsafe { buf.advance_mut(n) };
+        Ok(n)
     }
 }
 
@@ -938,8 +961,8 @@ fn read_into(sh: &Shared, st: &mut ReadState, gone: bool, discarded: &mut u64) {
 
 /// Writes the owed `STOP` and whatever is pending; `Ok(true)` when the socket is full.
 fn write_owed(sh: &Shared) -> io::Result<bool> {
+    sh.yielded.store(true, Ordering::Relaxed);
     let mut w = sh.lock();
-    w.yielded = true;
     if w.stop_owed {
         w.stop_owed = false;
         w.push_control(&Control::Stop);
