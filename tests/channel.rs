@@ -648,6 +648,39 @@ async fn io_engine_is_reported() {
     assert_eq!(ctx.io_engine(), Some(IoEngine::Uring));
 }
 
+/// `Auto` runs a connection inline where a usable tokio runtime polls it, on I/O threads
+/// elsewhere, and never panics on a runtime with its drivers off.
+#[test]
+fn auto_picks_inline_inside_a_tokio_runtime_and_threads_elsewhere() {
+    let auto = || {
+        Context::builder()
+            .io_engine(IoEngine::Auto)
+            .build()
+            .unwrap()
+    };
+    let full = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let ctx = auto();
+    full.block_on(async {
+        let _l = ctx.bind("tcp://127.0.0.1:0").await.unwrap();
+    });
+    assert_eq!(ctx.io_engine(), Some(IoEngine::Inline));
+
+    // A runtime without I/O or timers: tokio would panic on a socket; Auto uses threads.
+    let bare = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let ctx = auto();
+    let l = bare.block_on(ctx.bind("tcp://127.0.0.1:0")).unwrap();
+    assert!(matches!(
+        ctx.io_engine(),
+        Some(IoEngine::Uring | IoEngine::Epoll)
+    ));
+    drop(l);
+}
+
 #[tokio::test]
 async fn bad_urls_are_refused_before_any_io() {
     let ctx = Context::new();

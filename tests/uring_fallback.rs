@@ -69,7 +69,9 @@ async fn refused_io_uring_falls_back_to_epoll() {
         }
         n
     });
-    let (ok, stderr) = tokio::task::spawn_blocking(move || send_refused(&url, None))
+    // `threads`: I/O threads, io_uring else epoll (inside a tokio runtime, as in `hf send`,
+    // `auto` would run the connection inline, on epoll, without trying io_uring).
+    let (ok, stderr) = tokio::task::spawn_blocking(move || send_refused(&url, Some("threads")))
         .await
         .unwrap();
     assert!(ok, "hf send failed: {stderr}");
@@ -126,7 +128,7 @@ fn doctor_reports_refused_io_uring() {
     let v: serde_json::Value = serde_json::from_str(line).unwrap();
     assert_eq!(v["status"], "warn", "{line}");
     assert!(
-        v["found"].as_str().unwrap().contains("falls back to epoll"),
+        v["found"].as_str().unwrap().contains("fall back to epoll"),
         "{line}"
     );
     assert!(

@@ -78,8 +78,9 @@ impl Context {
         &self.inner.config().limits
     }
 
-    /// The engine `tcp://` runs on: `None` until the first `tcp://` bind or connect started
-    /// the I/O threads; then `Uring` or `Epoll`.
+    /// The engine `tcp://` runs on: `None` before the first `tcp://` bind or connect; then
+    /// `Inline` once a connection or listener ran inline, else `Uring` or `Epoll` (the I/O
+    /// threads').
     pub fn io_engine(&self) -> Option<IoEngine> {
         self.inner.tcp_engine()
     }
@@ -133,8 +134,8 @@ impl ContextBuilder {
         self
     }
 
-    /// The I/O engine. Default: `HYPERFRAMES_IO` if set (`uring`, `epoll`, `auto`), else
-    /// [`IoEngine::Auto`]. Setting it here overrides the environment.
+    /// The I/O engine. Default: `HYPERFRAMES_IO` if set (`uring`, `epoll`, `inline`, `auto`),
+    /// else [`IoEngine::Auto`]. Setting it here overrides the environment.
     pub fn io_engine(mut self, engine: IoEngine) -> Self {
         self.cfg.engine = engine;
         self.env_engine = Ok(engine);

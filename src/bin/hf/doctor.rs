@@ -362,10 +362,10 @@ async fn loopback(ctx: &Context, url: &str) -> Probe {
     }
 }
 
-/// A `tcp://` loopback connection on a context left to choose its engine (`Auto`), so the
-/// answer is what the library picks here when nothing forces it.
+/// A `tcp://` loopback connection on the I/O threads left to choose io_uring or epoll
+/// (`Threads`, what `Auto` picks where no tokio runtime runs the connection inline).
 async fn probe_tcp() -> Probe {
-    match Context::builder().io_engine(IoEngine::Auto).build() {
+    match Context::builder().io_engine(IoEngine::Threads).build() {
         Ok(ctx) => loopback(&ctx, "tcp://127.0.0.1:0").await,
         Err(e) => Probe::Failed(e.to_string()),
     }
@@ -403,7 +403,10 @@ fn check_io_uring(host: &Host, env: &Env, probe: Probe) -> Finding {
         Probe::Worked(Some(IoEngine::Uring)) => Finding::new(
             CHECK,
             Status::Ok,
-            format!("available: tcp:// runs on io_uring (loopback probe; {facts})"),
+            format!(
+                "available: tcp://'s I/O threads run on io_uring (loopback probe; {facts}); \
+                 connections made inside a tokio runtime run inline, on epoll"
+            ),
         ),
         Probe::Worked(engine) => {
             let engine = engine.map_or_else(|| "an unknown engine".to_owned(), |e| e.to_string());
@@ -448,7 +451,7 @@ fn check_io_uring(host: &Host, env: &Env, probe: Probe) -> Finding {
             Finding::new(
                 CHECK,
                 Status::Warn,
-                format!("refused: tcp:// falls back to {engine}; {why} ({facts})"),
+                format!("refused: tcp://'s I/O threads fall back to {engine}; {why} ({facts})"),
             )
             .fix(fix)
         }
@@ -466,15 +469,19 @@ fn check_io_uring(host: &Host, env: &Env, probe: Probe) -> Finding {
     };
     if let Some(v) = forced {
         let lower = v.to_ascii_lowercase();
-        if !["uring", "io_uring", "io-uring", "epoll", "inline"].contains(&lower.as_str()) {
+        if ![
+            "uring", "io_uring", "io-uring", "epoll", "inline", "threads",
+        ]
+        .contains(&lower.as_str())
+        {
             let _ = write!(
                 finding.found,
-                "; HYPERFRAMES_IO={v:?} is not understood (auto, uring, epoll or inline): \
+                "; HYPERFRAMES_IO={v:?} is not understood (auto, inline, threads, uring or epoll): \
                  hf refuses it and Context::new() ignores it"
             );
             finding.status = Status::Warn;
             finding.fix = Some("unset HYPERFRAMES_IO".to_owned());
-        } else if !lower.contains("uring") {
+        } else if lower == "epoll" || lower == "inline" {
             let _ = write!(
                 finding.found,
                 "; HYPERFRAMES_IO={v} makes tcp:// use {lower} instead"
@@ -2018,7 +2025,7 @@ mod tests {
             &f,
             Status::Ok,
             &[
-                "tcp:// runs on io_uring",
+                "I/O threads run on io_uring",
                 "Linux 6.8.0",
                 "kernel.io_uring_disabled = 0",
             ],
@@ -2028,7 +2035,7 @@ mod tests {
         assert_has(
             &f,
             Status::Warn,
-            &["falls back to epoll", "seccomp"],
+            &["fall back to epoll", "seccomp"],
             &["io_uring_setup"],
         );
 

@@ -28,7 +28,7 @@
 //! something failed at run time (connection refused or lost, unreadable file, address in
 //! use), 2 for a malformed command line (clap's usage errors, and bad URLs, types, metadata
 //! or sizes). Logging goes to stderr through `tracing`, filtered by `RUST_LOG` (default
-//! `warn`); `HYPERFRAMES_IO=epoll|uring|auto` picks the TCP engine.
+//! `warn`); `HYPERFRAMES_IO=auto|inline|threads|uring|epoll` picks the TCP engine.
 
 mod bench;
 mod doctor;
@@ -57,7 +57,7 @@ address in use); 2 bad command line (unknown flag, bad URL, type, metadata or si
 
 Environment:
   RUST_LOG        log filter for stderr (default: warn), e.g. RUST_LOG=hyperframes=debug
-  HYPERFRAMES_IO  TCP engine: auto (default), uring or epoll";
+  HYPERFRAMES_IO  TCP engine: auto (default: inline), inline, threads, uring or epoll";
 
 /// Typed, zero-copy messaging from the command line.
 ///

@@ -30,6 +30,33 @@ fn runtime() -> Result<Handle> {
     })
 }
 
+/// Whether the caller runs in a tokio runtime that can drive sockets and timers (what
+/// `IoEngine::Auto` needs to run a connection inline).
+///
+/// tokio has no query for its drivers, and using a disabled one panics; the probe catches
+/// that panic (the panic hook still prints it: a runtime built without `enable_all` is a
+/// mistake worth a line) and the connection goes to the I/O threads instead.
+pub(super) fn runtime_usable() -> bool {
+    if Handle::try_current().is_err() {
+        return false;
+    }
+    let probe = std::panic::catch_unwind(|| -> bool {
+        drop(tokio::time::sleep(std::time::Duration::ZERO));
+        let Ok((a, _b)) = std::os::unix::net::UnixDatagram::pair() else {
+            return false;
+        };
+        a.set_nonblocking(true).is_ok() && tokio::net::UnixDatagram::from_std(a).is_ok()
+    });
+    let usable = probe.unwrap_or(false);
+    if !usable {
+        tracing::warn!(
+            "tcp: this tokio runtime has I/O or timers disabled (Builder::enable_all): \
+             connections run on I/O threads instead"
+        );
+    }
+    usable
+}
+
 /// Handshake, then the halves; the connection's flusher is spawned on `rt`.
 async fn establish(
     rt: &Handle,
