@@ -694,3 +694,69 @@ async fn bad_urls_are_refused_before_any_io() {
     }
     assert_eq!(ctx.io_engine(), None, "no I/O thread started for a bad URL");
 }
+
+/// inproc spins before it parks, and with busy-poll never parks: both must still deliver
+/// everything in order, with the two ends on two threads (where spinning pays) and on one
+/// single-threaded runtime (where the peer can only run once this side yields), with a
+/// send queue small enough that the sender waits for room.
+#[test]
+fn inproc_spinning_and_busy_polling_lose_nothing_and_never_hang() {
+    const N: u64 = 3000;
+    async fn echo(ch: Channel) {
+        let (mut tx, mut rx) = ch.split();
+        while let Some(m) = rx.recv().await {
+            tx.send(m.unwrap()).await.unwrap();
+        }
+    }
+    async fn drive(ch: Channel) {
+        let (mut tx, mut rx) = ch.split();
+        // Streams ahead by up to 6 messages (less than both queues hold, or it would deadlock
+        // by design), then reads the echoes back in order.
+        let mut next = 0u64;
+        for i in 0..N {
+            let m = Message::new("t.spin")
+                .unwrap()
+                .with_meta("i", &i.to_string())
+                .unwrap();
+            tx.send(m).await.unwrap();
+            while next + 6 <= i || (i + 1 == N && next < N) {
+                let m = rx.recv().await.unwrap().unwrap();
+                assert_eq!(m.meta().get("i"), Some(next.to_string().as_str()));
+                next += 1;
+            }
+        }
+        assert_eq!(next, N);
+    }
+    for busy in [false, true] {
+        let ctx = Context::builder()
+            .busy_poll(busy)
+            .send_queue(4, 1 << 20)
+            .recv_queue(4, 1 << 20)
+            .build()
+            .unwrap();
+        let rt = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+        };
+        // One thread, one runtime.
+        rt().block_on(async {
+            let mut l = ctx.bind("inproc://spin-one").await.unwrap();
+            let peer = tokio::spawn(async move { echo(l.accept().await.unwrap()).await });
+            let ch = ctx.connect("inproc://spin-one").await.unwrap();
+            timeout(GUARD, drive(ch)).await.expect("one thread: hung");
+            timeout(GUARD, peer).await.unwrap().unwrap();
+        });
+        // Two threads.
+        let mut l = rt().block_on(ctx.bind("inproc://spin-two")).unwrap();
+        let peer = std::thread::spawn(move || {
+            rt().block_on(async { echo(l.accept().await.unwrap()).await })
+        });
+        rt().block_on(async {
+            let ch = ctx.connect("inproc://spin-two").await.unwrap();
+            timeout(GUARD, drive(ch)).await.expect("two threads: hung");
+        });
+        peer.join().unwrap();
+    }
+}

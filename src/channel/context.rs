@@ -197,8 +197,14 @@ impl ContextBuilder {
         self
     }
 
-    /// Never park: a side waiting for data or room polls instead of sleeping on an eventfd
-    /// (`shm://`), trading a core for the lowest latency. Default off: spin briefly, then park.
+    /// Never park: a side waiting for data or room keeps checking where the wait is, trading
+    /// a core per waiting task for the lowest latency. `shm://` polls the ring instead of
+    /// sleeping on its wake socket; `tcp://` on the inline engine calls `recv` again instead
+    /// of waiting for epoll (the I/O-thread engines ignore it); `inproc://` checks the queue.
+    /// Between checks the task yields to its runtime, so other tasks still run.
+    ///
+    /// Default off: `shm://` and `inproc://` spin for 20 µs (when the peer runs on another
+    /// thread), then park; `tcp://` parks at once.
     pub fn busy_poll(mut self, on: bool) -> Self {
         self.cfg.busy_poll = on;
         self

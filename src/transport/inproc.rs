@@ -2,15 +2,26 @@
 //! per direction; the body is the sender's `Bytes`, never copied.
 //!
 //! Names are scoped to a [`Context`](crate::Context) (and its clones), as in ZeroMQ.
+//!
+//! A side that finds nothing to receive, or no room to send, spins for up to [`SPIN`] before
+//! it parks, when the other side last ran on another thread: a reply in a request/response
+//! exchange then arrives as a cache-line hand-off, not as a wake-up through the peer's
+//! runtime. With `busy_poll` it never parks: after the spin it yields to its runtime and
+//! looks again.
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use super::names::Names;
-use super::pipe::{Pipe, Stager, Unbatcher};
+use super::pipe::{Pipe, Stager, Unbatcher, spin_until};
 use super::{AcceptHalf, Config, Parts, RecvHalf, SendHalf};
 use crate::error::Result;
 use crate::{Error, ErrorKind, Message};
+
+/// How long a side spins before it parks: a round trip between two cores is well under it,
+/// and an idle channel burns no more than this per wait.
+const SPIN: Duration = Duration::from_micros(20);
 
 pub(crate) struct Registry {
     cfg: Config,
@@ -50,9 +61,11 @@ fn parts(out: &Arc<Pipe>, inp: &Arc<Pipe>, cfg: &Config, local: String, peer: St
         tx: Box::new(InprocSender {
             out: Stager::new(out.clone()),
             closed: false,
+            busy_poll: cfg.busy_poll,
         }),
         rx: Box::new(InprocReceiver {
             inp: Unbatcher::new(inp.clone()),
+            busy_poll: cfg.busy_poll,
         }),
         transport: "inproc",
         local,
@@ -65,6 +78,7 @@ fn parts(out: &Arc<Pipe>, inp: &Arc<Pipe>, cfg: &Config, local: String, peer: St
 struct InprocSender {
     out: Stager,
     closed: bool,
+    busy_poll: bool,
 }
 
 fn peer_gone() -> Error {
@@ -81,6 +95,12 @@ impl SendHalf for InprocSender {
         }
         if self.out.pipe().is_rx_closed() {
             return Poll::Ready(Err(peer_gone()));
+        }
+        let room = self.out.ready()
+            || (self.out.pipe().consumer_elsewhere() && spin_until(SPIN, || self.out.ready()));
+        if !room && self.busy_poll {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
         }
         match self.out.poll_ready(cx) {
             Poll::Ready(()) if self.out.pipe().is_rx_closed() => Poll::Ready(Err(peer_gone())),
@@ -116,10 +136,18 @@ impl SendHalf for InprocSender {
 
 struct InprocReceiver {
     inp: Unbatcher,
+    busy_poll: bool,
 }
 
 impl RecvHalf for InprocReceiver {
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message>>> {
+        let ready = self.inp.ready()
+            || (self.inp.pipe().producer_elsewhere() && spin_until(SPIN, || self.inp.ready()));
+        if !ready && self.busy_poll {
+            // Let the runtime run its other tasks, then look again; never park.
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
         self.inp.poll_next(cx).map(|m| m.map(Ok))
     }
 }

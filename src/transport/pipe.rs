@@ -121,11 +121,36 @@ impl Signal {
     }
 }
 
-/// Written by one side only: messages and body bytes it has pushed or popped.
+/// Written by one side only: messages and body bytes it has pushed or popped, and the
+/// thread it last did so from.
 #[derive(Default)]
 struct Counters {
     msgs: AtomicU64,
     bytes: AtomicU64,
+    thread: AtomicU64,
+}
+
+/// A number naming the calling thread; never 0.
+fn thread_tag() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local!(static TAG: u64 = NEXT.fetch_add(1, Ordering::Relaxed));
+    TAG.with(|t| *t)
+}
+
+/// Checks `ready` in a loop for at most `limit`; true when it said yes.
+pub(crate) fn spin_until(limit: std::time::Duration, mut ready: impl FnMut() -> bool) -> bool {
+    let start = std::time::Instant::now();
+    loop {
+        for _ in 0..64 {
+            if ready() {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        if start.elapsed() >= limit {
+            return false;
+        }
+    }
 }
 
 pub(crate) struct Pipe {
@@ -186,6 +211,17 @@ impl Pipe {
     pub(crate) fn close_rx(&self) {
         self.rx_closed.store(true, Ordering::Release);
         self.to_producer.wake();
+    }
+
+    /// Whether the producer last pushed from a thread other than the caller's: only then
+    /// can a consumer spinning here see it push (on one thread, spinning only delays it).
+    pub(crate) fn producer_elsewhere(&self) -> bool {
+        self.pushed.thread.load(Ordering::Relaxed) != thread_tag()
+    }
+
+    /// Whether the consumer last popped from a thread other than the caller's.
+    pub(crate) fn consumer_elsewhere(&self) -> bool {
+        self.popped.thread.load(Ordering::Relaxed) != thread_tag()
     }
 
     /// Messages queued now (approximate while both sides run).
@@ -272,6 +308,10 @@ impl Producer {
             .pushed
             .bytes
             .store(self.pushed_bytes, Ordering::Release);
+        let tag = thread_tag();
+        if self.pipe.pushed.thread.load(Ordering::Relaxed) != tag {
+            self.pipe.pushed.thread.store(tag, Ordering::Relaxed);
+        }
         self.pipe.to_consumer.notify();
         Ok(())
     }
@@ -317,6 +357,10 @@ impl Consumer {
             .popped
             .bytes
             .store(self.popped_bytes, Ordering::Release);
+        let tag = thread_tag();
+        if self.pipe.popped.thread.load(Ordering::Relaxed) != tag {
+            self.pipe.popped.thread.store(tag, Ordering::Relaxed);
+        }
         Some(item)
     }
 
@@ -391,6 +435,14 @@ impl Stager {
             return Poll::Ready(()); // the staged batch holds a slot already
         }
         self.producer.poll_room(cx)
+    }
+
+    /// Whether [`poll_ready`](Self::poll_ready) would be ready now, without arming anything.
+    pub(crate) fn ready(&mut self) -> bool {
+        let full = self.staged.len() >= Self::MAX_MSGS || self.staged_bytes >= Self::MAX_BYTES;
+        (!self.staged.is_empty() && !full)
+            || self.producer.has_room()
+            || self.producer.pipe().is_rx_closed()
     }
 
     /// Stages `msg`. Only after `poll_ready` returned `Ready`.
@@ -468,6 +520,11 @@ impl Unbatcher {
             Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending => Poll::Pending,
         }
+    }
+
+    /// Whether [`poll_next`](Self::poll_next) would be ready now, without arming anything.
+    pub(crate) fn ready(&self) -> bool {
+        self.current.len() > 0 || !self.pipe().is_empty() || self.pipe().is_tx_closed()
     }
 
     /// Messages taken from the pipe and not handed out yet.
