@@ -37,9 +37,9 @@ pub enum IoEngine {
     /// threads on io_uring where the kernel allows it, epoll otherwise (one log line says so).
     ///
     /// Why: on the measured host the hand-off to an I/O thread and back cost more than the
-    /// system calls themselves. A 64 B ping-pong took 12 µs p50 inline against 29-33 µs on
-    /// I/O threads (a plain tokio `TcpStream`: 11.4 µs); streaming 64 B ran at 6.5-8.3 M
-    /// msgs/s inline against 3.3-4.2 M; 4 MiB at 4-5.3 GB/s against 2.7-3.2. Pick the I/O
+    /// system calls themselves. A 64 B ping-pong took 16 µs p50 inline against 42 µs on I/O
+    /// threads (a plain tokio `TcpStream`: 16 µs); streaming 64 B ran at 5.9 M msgs/s inline
+    /// against 3.9 M; 4 MiB at 3.0-3.5 GB/s against 2.4-2.5. Pick the I/O
     /// threads yourself to keep socket work off a busy application runtime.
     #[default]
     Auto,

@@ -16,10 +16,10 @@
 //!   data path (read, writev) goes through io_uring.
 //!
 //! Why `Auto` prefers inline where it can: on the measured host (README, "Performance") the
-//! hand-off to an I/O thread and back cost more than the whole system call path. A 64 B ping-pong took
-//! 33 µs p50 on io_uring threads, 29 µs on epoll threads and 12 µs inline (a plain tokio
-//! `TcpStream` 11.4 µs); 64 B streaming ran at 4.2, 3.3 and 6.5-8.3 M msgs/s; 4 MiB at
-//! 2.7-3.2 GB/s on threads and 4-5.3 inline.
+//! hand-off to an I/O thread and back cost more than the whole system call path. A 64 B
+//! ping-pong took 42 µs p50 on io_uring threads and 16 µs inline (a plain tokio `TcpStream`
+//! 16 µs); 64 B streaming ran at 3.9 and 5.9 M msgs/s; 4 MiB at 2.4-2.5 GB/s on threads and
+//! 3.0-3.5 inline.
 
 mod conn;
 mod direct;
