@@ -760,3 +760,50 @@ fn inproc_spinning_and_busy_polling_lose_nothing_and_never_hang() {
         peer.join().unwrap();
     }
 }
+
+/// A connection `Auto` ran inline lives on the runtime it was made in: once that runtime is
+/// gone, both halves say so (from another runtime) instead of waiting forever.
+#[test]
+fn an_inline_connection_outliving_its_runtime_fails_clearly() {
+    let rt = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let ctx = Context::builder()
+        .io_engine(IoEngine::Auto)
+        .build()
+        .unwrap();
+    // The listener on a thread of its own, which keeps the accepted channel open.
+    let server_ctx = ctx.clone();
+    let (url_tx, url_rx) = std::sync::mpsc::channel();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let server = std::thread::spawn(move || {
+        rt().block_on(async {
+            let mut l = server_ctx.bind("tcp://127.0.0.1:0").await.unwrap();
+            url_tx.send(l.local_url().to_owned()).unwrap();
+            let _ch = l.accept().await.unwrap();
+            tokio::task::spawn_blocking(move || done_rx.recv())
+                .await
+                .unwrap()
+                .ok();
+        })
+    });
+    let url = url_rx.recv().unwrap();
+    let first = rt();
+    let ch = first.block_on(ctx.connect(&url)).unwrap();
+    assert_eq!(ctx.io_engine(), Some(IoEngine::Inline));
+    drop(first);
+    let (mut tx, mut rx) = ch.split();
+    rt().block_on(async {
+        let sent = timeout(GUARD, tx.send(Message::new("t.orphan").unwrap()))
+            .await
+            .expect("send hung");
+        assert_eq!(sent.unwrap_err().kind(), ErrorKind::Unavailable);
+        let got = timeout(GUARD, rx.recv()).await.expect("recv hung");
+        assert_eq!(got.unwrap().unwrap_err().kind(), ErrorKind::Unavailable);
+    });
+    done_tx.send(()).unwrap();
+    server.join().unwrap();
+}

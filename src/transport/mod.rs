@@ -40,7 +40,9 @@ pub enum IoEngine {
     /// system calls themselves. A 64 B ping-pong took 16 µs p50 inline against 42 µs on I/O
     /// threads (a plain tokio `TcpStream`: 16 µs); streaming 64 B ran at 5.9 M msgs/s inline
     /// against 3.9 M; 4 MiB at 3.0-3.5 GB/s against 2.4-2.5. Pick the I/O
-    /// threads yourself to keep socket work off a busy application runtime.
+    /// threads yourself to keep socket work off a busy application runtime, or for a channel
+    /// that must outlive the runtime it was made in (an inline connection fails with
+    /// `Unavailable` on both halves when its runtime shuts down).
     #[default]
     Auto,
     /// I/O threads owned by the context, on io_uring where the kernel allows it, epoll
