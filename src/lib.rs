@@ -8,7 +8,7 @@
 //!
 //! | scheme | transport |
 //! |---|---|
-//! | `tcp://host:port` | TCP on io_uring I/O threads, epoll where io_uring is refused |
+//! | `tcp://host:port` | TCP in the tasks that use it inside a tokio runtime; elsewhere on io_uring I/O threads, epoll where io_uring is refused |
 //! | `inproc://name` | inside one process; bodies move as `Bytes` |
 //! | `shm://name` | two processes on one host, through shared memory |
 //! | `rdma://host:port` | RDMA (InfiniBand, RoCE), feature `rdma` (a GPL-3.0 build: it links async-rdma) |
@@ -39,8 +39,9 @@
 //!
 //! The same on every transport:
 //! * **Ordering**: messages arrive in the order they were sent, per channel and direction.
-//! * **Delivery**: [`Sender::send`] returns when the message is handed to the transport (queued
-//!   for the I/O thread, or in the peer's inproc queue); [`Sender::flush`] when every message
+//! * **Delivery**: [`Sender::send`] returns when the message is handed to the transport (written
+//!   to the socket or queued to go out with the next write on tcp, in the peer's ring or queue
+//!   on shm and inproc); [`Sender::flush`] when every message
 //!   sent so far has reached the kernel (tcp) or the peer's queue (inproc). Nothing is ever
 //!   partially sent: a message is on the wire whole or not at all.
 //! * **Backpressure**: every queue is bounded (in messages and bytes, see

@@ -208,7 +208,7 @@ impl Sender {
     /// Waits for room, then hands `msg` to the transport. It does not wait for the write to
     /// the kernel: the transport writes on its own, batching what has accumulated; use
     /// [`flush`](Self::flush) to wait for that. (`SinkExt::send`, by contrast, flushes after
-    /// each message, which costs a round trip to the I/O thread per message.)
+    /// each message, which costs a wait for the write per message.)
     ///
     /// Errors: [`ErrorKind::LimitExceeded`] when the message exceeds the peer's limits (the
     /// message is in [`Error::take_message`] and the channel stays usable);
