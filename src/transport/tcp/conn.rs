@@ -144,19 +144,7 @@ impl TcpSender {
     }
 
     fn check(&self) -> Result<()> {
-        if let Some(e) = self.conn.error() {
-            return Err(e);
-        }
-        if self.closing {
-            return Err(Error::new(ErrorKind::Closed, "sender closed"));
-        }
-        if self.conn.peer_stopped.load(Ordering::Acquire) {
-            return Err(Error::new(
-                ErrorKind::Closed,
-                "the peer dropped its receiving half; nothing sent now would be read",
-            ));
-        }
-        Ok(())
+        sender_check(self.conn.error(), self.closing, &self.conn.peer_stopped)
     }
 
     /// Waits for `done`, re-checked after arming the wake-up; fails with the connection.
@@ -775,6 +763,28 @@ async fn write_loop<S: Io>(conn: &Conn, out: &mut Consumer, stream: &S) -> Resul
         }
     }
     let _ = stream.shutdown(Shutdown::Write);
+    Ok(())
+}
+
+/// Whether a tcp `Sender` may send: the connection's error first, then its own close, then a
+/// `STOP` from the peer (both engines answer the same).
+pub(super) fn sender_check(
+    error: Option<Error>,
+    closing: bool,
+    peer_stopped: &std::sync::atomic::AtomicBool,
+) -> Result<()> {
+    if let Some(e) = error {
+        return Err(e);
+    }
+    if closing {
+        return Err(Error::new(ErrorKind::Closed, "sender closed"));
+    }
+    if peer_stopped.load(Ordering::Acquire) {
+        return Err(Error::new(
+            ErrorKind::Closed,
+            "the peer dropped its receiving half; nothing sent now would be read",
+        ));
+    }
     Ok(())
 }
 

@@ -361,19 +361,7 @@ pub(super) struct DirectSender {
 
 impl DirectSender {
     fn check(&self) -> Result<()> {
-        if let Some(e) = self.sh.error() {
-            return Err(e);
-        }
-        if self.closing {
-            return Err(Error::new(ErrorKind::Closed, "sender closed"));
-        }
-        if self.sh.peer_stopped.load(Ordering::Acquire) {
-            return Err(Error::new(
-                ErrorKind::Closed,
-                "the peer dropped its receiving half; nothing sent now would be read",
-            ));
-        }
-        Ok(())
+        super::conn::sender_check(self.sh.error(), self.closing, &self.sh.peer_stopped)
     }
 
     /// Writes what is pending now; `Ok(true)` when all of it was written.
