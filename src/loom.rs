@@ -8,20 +8,11 @@
 pub(crate) mod sync {
     pub(crate) use loom::cell::UnsafeCell;
     pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
-
-    /// A spin-wait hint; under loom a yield, so that spinning models terminate.
-    pub(crate) fn spin_hint() {
-        loom::thread::yield_now();
-    }
 }
 
 #[cfg(not(hyperframes_loom))]
 pub(crate) mod sync {
     pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
-
-    pub(crate) fn spin_hint() {
-        std::hint::spin_loop();
-    }
 }
 
 /// Aligns `T` to 128 bytes, the unit of false sharing on x86-64 (a pair of 64-byte lines is

@@ -9,19 +9,15 @@
 //! runtime. With `busy_poll` it never parks: after the spin it yields to its runtime and
 //! looks again.
 
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use super::names::Names;
-use super::pipe::{Pipe, Stager, Unbatcher, spin_until};
-use super::{AcceptHalf, Config, Parts, RecvHalf, SendHalf};
+use super::pipe::{Pipe, Stager, Unbatcher};
+use super::{AcceptHalf, Config, Parts, RecvHalf, SPIN, SendHalf, spin_until};
 use crate::error::Result;
 use crate::{Error, ErrorKind, Message};
-
-/// How long a side spins before it parks: a round trip between two cores is well under it,
-/// and an idle channel burns no more than this per wait.
-const SPIN: Duration = Duration::from_micros(20);
 
 pub(crate) struct Registry {
     cfg: Config,
@@ -88,6 +84,13 @@ fn peer_gone() -> Error {
     )
 }
 
+impl InprocSender {
+    fn spin_for_room(&mut self) -> bool {
+        let Ok(room) = spin_until(SPIN, || Ok::<_, Infallible>(self.out.ready()));
+        room
+    }
+}
+
 impl SendHalf for InprocSender {
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
         if self.closed {
@@ -96,8 +99,8 @@ impl SendHalf for InprocSender {
         if self.out.pipe().is_rx_closed() {
             return Poll::Ready(Err(peer_gone()));
         }
-        let room = self.out.ready()
-            || (self.out.pipe().consumer_elsewhere() && spin_until(SPIN, || self.out.ready()));
+        let room =
+            self.out.ready() || (self.out.pipe().consumer_elsewhere() && self.spin_for_room());
         if !room && self.busy_poll {
             cx.waker().wake_by_ref();
             return Poll::Pending;
@@ -139,10 +142,17 @@ struct InprocReceiver {
     busy_poll: bool,
 }
 
+impl InprocReceiver {
+    fn spin_for_data(&self) -> bool {
+        let Ok(ready) = spin_until(SPIN, || Ok::<_, Infallible>(self.inp.ready()));
+        ready
+    }
+}
+
 impl RecvHalf for InprocReceiver {
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message>>> {
-        let ready = self.inp.ready()
-            || (self.inp.pipe().producer_elsewhere() && spin_until(SPIN, || self.inp.ready()));
+        let ready =
+            self.inp.ready() || (self.inp.pipe().producer_elsewhere() && self.spin_for_data());
         if !ready && self.busy_poll {
             // Let the runtime run its other tasks, then look again; never park.
             cx.waker().wake_by_ref();

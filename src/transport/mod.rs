@@ -28,6 +28,33 @@ pub(crate) mod shm;
 #[cfg(feature = "tcp")]
 pub(crate) mod tcp;
 
+/// How long a side waiting for its peer (data or room, `shm://` and `inproc://`) spins before
+/// it parks: long enough to catch a reply in a request/response exchange (a round trip is a
+/// microsecond or two) without sleeping, short enough not to burn a core on an idle channel.
+#[cfg(any(feature = "shm", feature = "inproc"))]
+pub(crate) const SPIN: Duration = Duration::from_micros(20);
+
+/// Checks `ready` in a loop for at most `limit`; `Ok(true)` as soon as it says yes, its
+/// first error as it comes.
+#[cfg(any(feature = "shm", feature = "inproc"))]
+pub(crate) fn spin_until<E>(
+    limit: Duration,
+    mut ready: impl FnMut() -> std::result::Result<bool, E>,
+) -> std::result::Result<bool, E> {
+    let start = std::time::Instant::now();
+    loop {
+        for _ in 0..64 {
+            if ready()? {
+                return Ok(true);
+            }
+            std::hint::spin_loop();
+        }
+        if start.elapsed() >= limit {
+            return Ok(false);
+        }
+    }
+}
+
 /// Which I/O engine `tcp://` runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]

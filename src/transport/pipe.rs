@@ -137,22 +137,6 @@ fn thread_tag() -> u64 {
     TAG.with(|t| *t)
 }
 
-/// Checks `ready` in a loop for at most `limit`; true when it said yes.
-pub(crate) fn spin_until(limit: std::time::Duration, mut ready: impl FnMut() -> bool) -> bool {
-    let start = std::time::Instant::now();
-    loop {
-        for _ in 0..64 {
-            if ready() {
-                return true;
-            }
-            std::hint::spin_loop();
-        }
-        if start.elapsed() >= limit {
-            return false;
-        }
-    }
-}
-
 pub(crate) struct Pipe {
     queue: ArrayQueue<Item>,
     pushed: CachePadded<Counters>,

@@ -21,6 +21,7 @@
 //! `Sender::alloc` lends heap memory.
 
 use std::collections::VecDeque;
+use std::convert::Infallible;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -42,7 +43,7 @@ use super::ring::{self, RingStore};
 use super::segment::{Mapping, Segment, ShmArena, ShmRing};
 use crate::error::Result;
 use crate::message::{Body, BodyMut, Header, LeaseTag, LentMut};
-use crate::transport::{RecvHalf, SendHalf};
+use crate::transport::{RecvHalf, SPIN, SendHalf, spin_until};
 use crate::wire::{Limits, TypeCache};
 use crate::{Error, ErrorKind, Message};
 
@@ -58,10 +59,6 @@ const PUBLISH_EVERY: u64 = 64;
 /// Small received parts (inline bodies, metadata) are copied into chunks of this size, one
 /// allocation per chunk instead of one per part.
 const CHUNK: usize = 16 << 10;
-/// How long a side waiting for data or room spins before it parks: long enough to catch a
-/// reply in a request/response exchange (a round trip is a microsecond or two) without
-/// sleeping, short enough not to burn a core on an idle channel.
-const SPIN: Duration = Duration::from_micros(20);
 /// How long a sender with two large bodies in flight waits for one to come back before it
 /// takes colder memory for a third (see `ArenaProducer::deep`): a body filled in memory the
 /// receiver just read is read again from the caches, at several times memory speed.
@@ -73,22 +70,6 @@ pub(crate) const MAX_EXTERNAL: u64 = 8;
 const WAKE_DRAIN: usize = 16;
 /// Lease tags of shm arenas carry this bit, so they never match another transport's.
 const REGION_SHM: u64 = 1 << 63;
-
-/// Spins until `ready` or [`SPIN`] has passed; true when ready.
-fn spin_until(mut ready: impl FnMut() -> Result<bool>) -> Result<bool> {
-    let start = std::time::Instant::now();
-    loop {
-        for _ in 0..64 {
-            if ready()? {
-                return Ok(true);
-            }
-            crate::loom::sync::spin_hint();
-        }
-        if start.elapsed() >= SPIN {
-            return Ok(false);
-        }
-    }
-}
 
 /// What both halves (and the leases they hand out) share.
 pub(crate) struct Shared {
@@ -627,7 +608,7 @@ impl ShmSender {
             } || this.sh.gone()
                 || this.ring.consumer_closed())
         };
-        if spin_until(|| room(self))? {
+        if spin_until(SPIN, || room(self))? {
             return Poll::Ready(Ok(()));
         }
         if self.sh.busy_poll {
@@ -715,15 +696,9 @@ impl ShmSender {
     /// With two large bodies in flight, spins up to [`HOT_WAIT`] for one to come back, so
     /// that the next goes where the caches still hold the memory.
     fn wait_hot(&mut self, payload: u64) {
-        if !self.arena.deep(&self.refs, payload) {
-            return;
-        }
-        let start = std::time::Instant::now();
-        while start.elapsed() < HOT_WAIT && self.arena.deep(&self.refs, payload) {
-            for _ in 0..64 {
-                crate::loom::sync::spin_hint();
-            }
-        }
+        let Ok(_) = spin_until(HOT_WAIT, || {
+            Ok::<_, Infallible>(!self.arena.deep(&self.refs, payload))
+        });
     }
 
     /// Moves the sender's state out (for a background close), leaving an inert stand-in.
@@ -1157,7 +1132,7 @@ impl ShmReceiver {
                     .sh
                     .gone_error("went away without closing the channel"))));
             }
-            if spin_until(|| Ok(self.ring.ready() || self.sh.gone()))? {
+            if spin_until(SPIN, || Ok::<_, Error>(self.ring.ready() || self.sh.gone()))? {
                 continue;
             }
             if self.sh.busy_poll {

@@ -17,9 +17,9 @@
 //! [`BATCH_BYTES`] are pending, from the sender's task too, or when the task yields, from the
 //! flusher (one `writev` for all of them). What marks the yield is the flusher running
 //! (which it does only when the sender's task lets the runtime run it) or the Receiver
-//! finding the socket empty (the request/response case, with no flusher run at all). So a stream of small messages costs a system call per
-//! batch, and a ping-pong one per message, with no thread between the application and the
-//! socket. A full socket is backpressure: `poll_ready` waits (the flusher waits for the
+//! finding the socket empty (the request/response case, with no flusher run at all). So a
+//! stream of small messages costs a system call per batch, and a ping-pong one per message,
+//! with no thread between the application and the socket. A full socket is backpressure: `poll_ready` waits (the flusher waits for the
 //! socket to take more and wakes it) once [`Config::send_queue`] messages or
 //! [`Config::send_queue_bytes`] bytes are pending.
 //!
