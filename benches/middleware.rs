@@ -12,6 +12,18 @@
 //! * `layers_send` — `TypeFilterLayer` (three patterns) + `MetaSchemaLayer` (two keys with
 //!   value rules, type naming) around the `Sender`;
 //! * `layers_both` — the same stack around the sender and around the receiver's handler.
+//!
+//! A second group, `middleware_alone`, runs the layers around a service that takes the
+//! message and answers at once (no channel): `noop` alone, then `type_filter`, `meta_schema`
+//! and both, so the summary shows each layer's own cost in nanoseconds.
+//!
+//! A third group, `request_reply_inproc_64B`, is one request and its reply at a time, the
+//! round trip a `Client` pays against a server:
+//!
+//! * `by_hand` — a bare channel each way: the client sends a request with a correlation id
+//!   and waits on its receiver; the server's loop receives and sends the reply;
+//! * `serve_client` — a [`Client`](hyperframes::middleware::Client) calling a handler run by
+//!   [`serve_channel`](hyperframes::middleware::serve_channel) (goal: at most 1.20).
 
 use std::collections::BTreeMap;
 use std::future::{Ready, ready};
@@ -21,19 +33,26 @@ use std::task::{Context as TaskContext, Poll};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use hyperframes::middleware::{BoxError, MetaSchema, MetaSchemaLayer, TypeFilterLayer, Value};
-use hyperframes::{Context, Message, Receiver, Sender};
+use hyperframes::middleware::{
+    BoxError, Client, MetaSchema, MetaSchemaLayer, TypeFilterLayer, Value, serve_channel,
+};
+use hyperframes::{Context, Flags, Header, Message, Receiver, Sender};
 use tokio::sync::mpsc;
-use tower::{Service, ServiceBuilder, ServiceExt};
+use tower::{Layer, Service, ServiceBuilder, ServiceExt, service_fn};
 
 const GROUP: &str = "middleware_inproc_64B";
+const ALONE: &str = "middleware_alone";
+const ROUND_TRIP: &str = "request_reply_inproc_64B";
 const END: &str = "bench.data.end";
 
-static TOTALS: Mutex<BTreeMap<String, (f64, u64)>> = Mutex::new(BTreeMap::new());
+/// Seconds and items per (group, case), summed over criterion's samples.
+type Totals = BTreeMap<(&'static str, String), (f64, u64)>;
 
-fn record(func: &str, elapsed: Duration, items: u64) {
+static TOTALS: Mutex<Totals> = Mutex::new(BTreeMap::new());
+
+fn record(group: &'static str, func: &str, elapsed: Duration, items: u64) {
     let mut t = TOTALS.lock().unwrap();
-    let e = t.entry(func.into()).or_insert((0.0, 0));
+    let e = t.entry((group, func.into())).or_insert((0.0, 0));
     e.0 += elapsed.as_secs_f64();
     e.1 += items;
 }
@@ -83,6 +102,73 @@ impl Service<Message> for Swallow {
     fn call(&mut self, msg: Message) -> Self::Future {
         black_box(&msg);
         ready(Ok(None))
+    }
+}
+
+/// Takes a message and answers at once: the inner service of the `middleware_alone` group.
+#[derive(Clone, Copy)]
+struct Take;
+
+impl Service<Message> for Take {
+    type Response = ();
+    type Error = BoxError;
+    type Future = Ready<Result<(), BoxError>>;
+
+    fn poll_ready(&mut self, _cx: &mut TaskContext<'_>) -> Poll<Result<(), BoxError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, msg: Message) -> Self::Future {
+        black_box(&msg);
+        ready(Ok(()))
+    }
+}
+
+/// `n` messages through `svc`, each a clone of one (as the channel cases send).
+async fn alone<S>(svc: &mut S, n: u64) -> Duration
+where
+    S: Service<Message, Response = ()>,
+    S::Error: std::fmt::Debug,
+{
+    let msg = message();
+    let start = Instant::now();
+    for _ in 0..n {
+        svc.ready().await.unwrap().call(msg.clone()).await.unwrap();
+    }
+    start.elapsed()
+}
+
+fn reply() -> Message {
+    Message::new("bench.data.ack")
+        .unwrap()
+        .with_body(vec![0xa5u8; 64])
+}
+
+/// A connected inproc channel pair: (client's end, server's end).
+async fn pair(ctx: &Context) -> (hyperframes::Channel, hyperframes::Channel) {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let url = format!(
+        "inproc://bench-rr-{}",
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
+    let mut l = ctx.bind(&url).await.unwrap();
+    let (c, s) = tokio::join!(ctx.connect(&url), l.accept());
+    (c.unwrap(), s.unwrap())
+}
+
+/// The server by hand: every request answered with the reply, correlated.
+async fn server_by_hand(channel: hyperframes::Channel) {
+    let (mut tx, mut rx) = channel.split();
+    let ack = reply();
+    while let Some(Ok(req)) = rx.recv().await {
+        let h = req.header();
+        let answer = ack.clone().with_header(Header {
+            flags: Flags::RESPONSE,
+            correlation: h.correlation,
+        });
+        if tx.send(answer).await.is_err() {
+            break;
+        }
     }
 }
 
@@ -184,7 +270,7 @@ fn main() {
                     assert_eq!(acks.recv().await, Some(n));
                     start.elapsed()
                 });
-                record("bare_channel", d, n);
+                record(GROUP, "bare_channel", d, n);
                 d
             })
         });
@@ -194,7 +280,7 @@ fn main() {
         g.bench_function("sender_service", |b| {
             b.iter_custom(|n| {
                 let d = rt.block_on(through_service(&mut tx, &mut acks, n));
-                record("sender_service", d, n);
+                record(GROUP, "sender_service", d, n);
                 d
             })
         });
@@ -208,7 +294,7 @@ fn main() {
         g.bench_function("layers_send", |b| {
             b.iter_custom(|n| {
                 let d = rt.block_on(through_service(&mut svc, &mut acks, n));
-                record("layers_send", d, n);
+                record(GROUP, "layers_send", d, n);
                 d
             })
         });
@@ -222,7 +308,102 @@ fn main() {
         g.bench_function("layers_both", |b| {
             b.iter_custom(|n| {
                 let d = rt.block_on(through_service(&mut svc, &mut acks, n));
-                record("layers_both", d, n);
+                record(GROUP, "layers_both", d, n);
+                d
+            })
+        });
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group(ALONE);
+    g.throughput(Throughput::Elements(1))
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_secs(1));
+    let mut noop = Take;
+    let mut type_filter = filter().layer(Take);
+    let mut meta_schema = schema().layer(Take);
+    let mut both = ServiceBuilder::new()
+        .layer(filter())
+        .layer(schema())
+        .service(Take);
+    let cases: [(&str, &mut dyn FnMut(u64) -> Duration); 4] = [
+        ("noop", &mut |n| rt.block_on(alone(&mut noop, n))),
+        ("type_filter", &mut |n| {
+            rt.block_on(alone(&mut type_filter, n))
+        }),
+        ("meta_schema", &mut |n| {
+            rt.block_on(alone(&mut meta_schema, n))
+        }),
+        ("both", &mut |n| rt.block_on(alone(&mut both, n))),
+    ];
+    for (name, svc) in cases {
+        g.bench_function(name, |b| {
+            b.iter_custom(|n| {
+                let d = svc(n);
+                record(ALONE, name, d, n);
+                d
+            })
+        });
+    }
+    g.finish();
+
+    let mut g = c.benchmark_group(ROUND_TRIP);
+    g.throughput(Throughput::Elements(1))
+        .sample_size(20)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
+    {
+        let ctx = Context::new();
+        let (client, server) = rt.block_on(pair(&ctx));
+        rt.spawn(server_by_hand(server));
+        let (mut tx, mut rx) = client.split();
+        let msg = message();
+        let mut id = 0u64;
+        g.bench_function("by_hand", |b| {
+            b.iter_custom(|n| {
+                let d = rt.block_on(async {
+                    let start = Instant::now();
+                    for _ in 0..n {
+                        id += 1;
+                        let req = msg.clone().with_header(Header {
+                            flags: Flags::REQUEST,
+                            correlation: id,
+                        });
+                        tx.send(req).await.unwrap();
+                        let answer = rx.recv().await.unwrap().unwrap();
+                        assert_eq!(answer.header().correlation, id);
+                        black_box(answer);
+                    }
+                    start.elapsed()
+                });
+                record(ROUND_TRIP, "by_hand", d, n);
+                d
+            })
+        });
+    }
+    {
+        let ctx = Context::new();
+        let (client, server) = rt.block_on(pair(&ctx));
+        let ack = reply();
+        let handler = service_fn(move |req: Message| {
+            black_box(&req);
+            ready(Ok::<_, BoxError>(Some(ack.clone())))
+        });
+        rt.spawn(serve_channel(server, handler));
+        let mut client = rt.block_on(async { Client::new(client) });
+        let msg = message();
+        g.bench_function("serve_client", |b| {
+            b.iter_custom(|n| {
+                let d = rt.block_on(async {
+                    let start = Instant::now();
+                    for _ in 0..n {
+                        let answer = client.ready().await.unwrap().call(msg.clone()).await;
+                        black_box(answer.unwrap());
+                    }
+                    start.elapsed()
+                });
+                record(ROUND_TRIP, "serve_client", d, n);
                 d
             })
         });
@@ -232,11 +413,24 @@ fn main() {
 
     let t = TOTALS.lock().unwrap();
     let ns = |(s, n): &(f64, u64)| s / *n as f64 * 1e9;
-    let base = t.get("bare_channel").map(ns).unwrap_or(f64::NAN);
-    println!("\nsummary (same run; ratio = time per message / bare channel's, goal <= 1.10)");
-    for (f, v) in t.iter() {
+    let of = |group, case: &str| t.get(&(group, case.into())).map(ns).unwrap_or(f64::NAN);
+    println!(
+        "\nsummary (same run; ratio = time per message / the group's baseline; goals: layers_send \
+         <= 1.10, layers_both <= 1.20, serve_client <= 1.20)"
+    );
+    for ((group, case), v) in t.iter() {
+        let base = match *group {
+            GROUP => of(GROUP, "bare_channel"),
+            ALONE => of(ALONE, "noop"),
+            _ => of(ROUND_TRIP, "by_hand"),
+        };
+        let extra = if *group == ALONE {
+            format!("  +{:.1} ns", ns(v) - base)
+        } else {
+            String::new()
+        };
         println!(
-            "  {GROUP} {f:<16} {:>8.1} ns/msg  ratio {:.3}",
+            "  {group:<24} {case:<16} {:>8.1} ns/msg  ratio {:.3}{extra}",
             ns(v),
             ns(v) / base
         );

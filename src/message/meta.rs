@@ -322,6 +322,7 @@ pub struct Iter<'a> {
 impl<'a> Iterator for Iter<'a> {
     type Item = (&'a str, &'a str);
 
+    #[inline]
     fn next(&mut self) -> Option<Self::Item> {
         let (key, value, rest) = split_entry(self.rest)?;
         self.rest = rest;

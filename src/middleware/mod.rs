@@ -68,6 +68,7 @@
 #![forbid(unsafe_code)]
 
 pub mod client;
+mod decisions;
 pub mod fan;
 mod log_limit;
 pub mod meta_schema;

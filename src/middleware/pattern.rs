@@ -40,24 +40,24 @@ pub struct TypePattern {
     segments: Option<Box<[Segment]>>,
 }
 
-/// Byte equality for the short strings of types and keys, in a loop the compiler keeps
-/// inline (a `memcmp` call costs more than the comparison).
+/// Byte equality for the short strings of types and keys, kept inline (a `memcmp` call
+/// costs more than the comparison): up to 16 bytes it is two loads per side, overlapping
+/// when the length is not a power of two, and no loop.
 #[inline]
 pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }
-    let (mut a8, mut b8) = (a.chunks_exact(8), b.chunks_exact(8));
-    for (x, y) in (&mut a8).zip(&mut b8) {
-        let word = |c: &[u8]| u64::from_ne_bytes(c.try_into().expect("chunks of 8"));
-        if word(x) != word(y) {
-            return false;
-        }
+    let n = a.len();
+    let w4 = |s: &[u8], at: usize| u32::from_ne_bytes(s[at..at + 4].try_into().expect("4 bytes"));
+    let w8 = |s: &[u8], at: usize| u64::from_ne_bytes(s[at..at + 8].try_into().expect("8 bytes"));
+    match n {
+        0 => true,
+        1..=3 => a[0] == b[0] && a[n / 2] == b[n / 2] && a[n - 1] == b[n - 1],
+        4..=7 => w4(a, 0) == w4(b, 0) && w4(a, n - 4) == w4(b, n - 4),
+        8..=16 => w8(a, 0) == w8(b, 0) && w8(a, n - 8) == w8(b, n - 8),
+        _ => (0..n - 8).step_by(8).all(|at| w8(a, at) == w8(b, at)) && w8(a, n - 8) == w8(b, n - 8),
     }
-    a8.remainder()
-        .iter()
-        .zip(b8.remainder())
-        .all(|(x, y)| x == y)
 }
 
 #[derive(Clone, PartialEq, Eq, Hash)]
@@ -346,12 +346,29 @@ mod tests {
         let words = [
             "",
             "a",
+            "b",
+            "ab",
+            "ba",
+            "abc",
+            "abd",
+            "xbc",
+            "axc",
+            "abcd",
+            "abce",
+            "abcde",
+            "abcdf",
+            "xbcde",
+            "abxde",
             "abcdefg",
             "abcdefgh",
             "abcdefghi",
             "abcdefghijklmnopq",
             "abcdefghijklmnopr",
             "bbcdefghijklmnopq",
+            "abcdefghijklmnopqrstuvwx",
+            "abcdefghijklmnopqrstuvwy",
+            "abcdefghijklxnopqrstuvwx",
+            "abcdefghijklmnopqrstuvwxy",
         ];
         for a in words {
             for b in words {

@@ -34,10 +34,12 @@ impl Service<Message> for Sender {
     type Error = Error;
     type Future = Ready<Result<(), Error>>;
 
+    #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
         self.poll_ready_inner(cx)
     }
 
+    #[inline]
     fn call(&mut self, msg: Message) -> Self::Future {
         ready(self.try_send(msg))
     }

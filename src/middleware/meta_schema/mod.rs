@@ -48,6 +48,7 @@ use self::future::ResponseFuture;
 pub use self::layer::MetaSchemaLayer;
 pub use self::schema::{MetaSchema, MetaSchemaBuilder, Value};
 use super::BoxError;
+use super::decisions::Decisions;
 use crate::Message;
 
 /// A service that passes only messages that follow its [`MetaSchema`]; see
@@ -57,12 +58,18 @@ use crate::Message;
 pub struct MetaSchemaService<S> {
     inner: S,
     schema: MetaSchema,
+    /// Whether the last few types follow the naming rule (when the schema has one).
+    naming: Decisions<bool>,
 }
 
 impl<S> MetaSchemaService<S> {
     /// Wraps `inner`.
     pub fn new(inner: S, schema: MetaSchema) -> MetaSchemaService<S> {
-        MetaSchemaService { inner, schema }
+        MetaSchemaService {
+            inner,
+            schema,
+            naming: Decisions::new(),
+        }
     }
 
     /// The schema.
@@ -97,19 +104,31 @@ where
 
     /// The inner service's readiness. A refused message leaves it reserved for the next
     /// call.
+    #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx).map_err(Into::into)
     }
 
+    #[inline]
     fn call(&mut self, msg: Message) -> Self::Future {
-        if self.schema.passes(&msg) {
+        let schema = &self.schema;
+        if self.naming.get(msg.kind(), |kind| schema.passes_type(kind))
+            && schema.passes_meta(msg.meta())
+        {
             return ResponseFuture::inner(self.inner.call(msg));
         }
-        let mut v = self.schema.violation(&msg, None);
-        tracing::debug!("refused: {v}");
-        v.0.message = Some(msg);
-        ResponseFuture::refused(Box::new(v))
+        ResponseFuture::refused(refuse(schema, msg))
     }
+}
+
+/// The error for a message that breaks the schema, out of the way of the path that passes.
+#[cold]
+#[inline(never)]
+fn refuse(schema: &MetaSchema, msg: Message) -> BoxError {
+    let mut v = schema.violation(&msg, None);
+    tracing::debug!("refused: {v}");
+    v.0.message = Some(msg);
+    Box::new(v)
 }
 
 impl<S: fmt::Debug> fmt::Debug for MetaSchemaService<S> {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::error::{Rule, SchemaViolation, Violation};
 use crate::error::{Error, ErrorKind, Result};
-use crate::message::{Message, Meta};
+use crate::message::{Message, Meta, MsgType};
 use crate::middleware::pattern::same;
 
 /// What a message's metadata may and must hold: the keys allowed (others are refused unless
@@ -329,12 +329,22 @@ impl MetaSchema {
     /// True when `msg` follows the schema: the fast path, with no explanation.
     #[inline]
     pub(crate) fn passes(&self, msg: &Message) -> bool {
+        self.passes_type(msg.kind()) && self.passes_meta(msg.meta())
+    }
+
+    /// The part of [`passes`](Self::passes) that depends on the type alone (the naming
+    /// rule), for a service to remember per type.
+    #[inline]
+    pub(crate) fn passes_type(&self, kind: &MsgType) -> bool {
+        !self.inner.type_naming || follows_naming(kind.as_str())
+    }
+
+    /// The part of [`passes`](Self::passes) that reads the metadata.
+    #[inline]
+    pub(crate) fn passes_meta(&self, meta: &Meta) -> bool {
         let s = &*self.inner;
-        if s.type_naming && !follows_naming(msg.kind().as_str()) {
-            return false;
-        }
         let mut seen = 0u64;
-        for (key, value) in msg.meta().iter() {
+        for (key, value) in meta.iter() {
             match s
                 .keys
                 .iter()

@@ -41,6 +41,7 @@ use tower::{Service, ServiceExt};
 
 pub use self::error::NoRoute;
 use super::BoxError;
+use super::decisions::Decisions;
 use super::pattern::TypePattern;
 use crate::Message;
 
@@ -57,6 +58,8 @@ pub struct Router<R> {
     routes: Vec<(TypePattern, Boxed<R>)>,
     fallback: Option<Boxed<R>>,
     shown: Arc<str>,
+    /// The route (index) the last few types took; `None` for the fallback.
+    decisions: Decisions<Option<usize>>,
 }
 
 impl<R: Send + 'static> Router<R> {
@@ -66,6 +69,7 @@ impl<R: Send + 'static> Router<R> {
             routes: Vec::new(),
             fallback: None,
             shown: "[]".into(),
+            decisions: Decisions::new(),
         }
     }
 
@@ -80,6 +84,7 @@ impl<R: Send + 'static> Router<R> {
     {
         let pattern = TypePattern::new(pattern)?;
         self.routes.push((pattern, boxed(service)));
+        self.decisions = Decisions::new();
         self.shown = format!(
             "[{}]",
             self.routes
@@ -145,9 +150,12 @@ impl<R: Send + 'static> Service<Message> for Router<R> {
     }
 
     fn call(&mut self, msg: Message) -> Self::Future {
-        let kind = msg.kind().as_str();
-        if let Some((_, s)) = self.routes.iter_mut().find(|(p, _)| p.matches_str(kind)) {
-            return s.call(msg);
+        let routes = &mut self.routes;
+        let route = self.decisions.get(msg.kind(), |kind| {
+            routes.iter().position(|(p, _)| p.matches(kind))
+        });
+        if let Some(i) = route {
+            return routes[i].1.call(msg);
         }
         match &mut self.fallback {
             Some(f) => f.call(msg),
@@ -169,6 +177,7 @@ impl<R> Clone for Router<R> {
             routes: self.routes.clone(),
             fallback: self.fallback.clone(),
             shown: self.shown.clone(),
+            decisions: self.decisions.clone(),
         }
     }
 }

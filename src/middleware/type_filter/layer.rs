@@ -7,6 +7,7 @@ use std::time::Duration;
 use tower::Layer;
 
 use super::{Config, Counters, Discard, Fallback, FilterStats, Reject, TypeFilter};
+use crate::middleware::decisions::Decisions;
 use crate::middleware::log_limit::LogLimit;
 use crate::middleware::pattern::PatternSet;
 
@@ -98,6 +99,7 @@ impl<S, P: Clone> Layer<S> for TypeFilterLayer<P> {
             config: self.config.clone(),
             counters: self.counters.clone(),
             policy: self.policy.clone(),
+            decisions: Decisions::new(),
         }
     }
 }

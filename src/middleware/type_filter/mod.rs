@@ -55,6 +55,7 @@ pub use self::error::Unmatched;
 use self::future::ResponseFuture;
 pub use self::layer::TypeFilterLayer;
 use super::BoxError;
+use super::decisions::Decisions;
 use super::log_limit::LogLimit;
 use super::pattern::{PatternSet, TypePattern};
 use crate::Message;
@@ -82,6 +83,8 @@ pub struct TypeFilter<S, P = Reject> {
     config: Arc<Config>,
     counters: Arc<Counters>,
     policy: P,
+    /// Whether the last few types matched: a stream of one type matches once.
+    decisions: Decisions<bool>,
 }
 
 #[derive(Debug)]
@@ -169,6 +172,7 @@ impl<S> TypeFilter<S, Reject> {
             config: Arc::new(Config::new(PatternSet::new(patterns)?)),
             counters: Arc::default(),
             policy: Reject,
+            decisions: Decisions::new(),
         })
     }
 }
@@ -202,10 +206,14 @@ impl<S, P> TypeFilter<S, P> {
     }
 
     #[inline]
-    fn matches(&self, msg: &Message) -> bool {
-        self.config.patterns.matches(msg.kind())
+    fn matches(&mut self, msg: &Message) -> bool {
+        let patterns = &self.config.patterns;
+        self.decisions
+            .get(msg.kind(), |kind| patterns.matches(kind))
     }
 
+    #[cold]
+    #[inline(never)]
     fn unmatched(&self, msg: &Message) {
         self.counters.unmatched.fetch_add(1, Ordering::Relaxed);
         tracing::trace!(
@@ -215,6 +223,8 @@ impl<S, P> TypeFilter<S, P> {
         );
     }
 
+    #[cold]
+    #[inline(never)]
     fn reject(&self, msg: Message) -> BoxError {
         self.unmatched(&msg);
         self.counters.rejected.fetch_add(1, Ordering::Relaxed);
@@ -226,6 +236,8 @@ impl<S, P> TypeFilter<S, P> {
         })
     }
 
+    #[cold]
+    #[inline(never)]
     fn discard(&self, msg: Message) {
         self.unmatched(&msg);
         let n = self.counters.dropped.fetch_add(1, Ordering::Relaxed) + 1;
@@ -255,10 +267,12 @@ where
     type Error = BoxError;
     type Future = ResponseFuture<S::Response, S::Future, S::Future>;
 
+    #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx).map_err(Into::into)
     }
 
+    #[inline]
     fn call(&mut self, msg: Message) -> Self::Future {
         if self.matches(&msg) {
             ResponseFuture::inner(self.inner.call(msg))
@@ -278,10 +292,12 @@ where
     type Error = BoxError;
     type Future = ResponseFuture<S::Response, S::Future, S::Future>;
 
+    #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx).map_err(Into::into)
     }
 
+    #[inline]
     fn call(&mut self, msg: Message) -> Self::Future {
         if self.matches(&msg) {
             ResponseFuture::inner(self.inner.call(msg))
@@ -306,6 +322,7 @@ where
     /// Ready when both the inner service and the fallback are: which one a message goes to
     /// is known only at `call`. Polling a ready service again is allowed by tower's contract
     /// and keeps its reservation.
+    #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         let inner = self.inner.poll_ready(cx).map_err(Into::into)?;
         let fallback = self.policy.service.poll_ready(cx).map_err(Into::into)?;
@@ -316,6 +333,7 @@ where
         }
     }
 
+    #[inline]
     fn call(&mut self, msg: Message) -> Self::Future {
         if self.matches(&msg) {
             ResponseFuture::inner(self.inner.call(msg))
@@ -334,6 +352,7 @@ impl<S: Clone, P: Clone> Clone for TypeFilter<S, P> {
             config: self.config.clone(),
             counters: self.counters.clone(),
             policy: self.policy.clone(),
+            decisions: self.decisions.clone(),
         }
     }
 }
