@@ -83,6 +83,16 @@ pub enum FrameError {
     /// An `ERROR` frame's reason is not UTF-8.
     #[error("error frame reason is not UTF-8")]
     ReasonNotUtf8,
+    /// The memory for a body within `max_body` could not be had: the connection fails, the
+    /// process goes on.
+    #[error(
+        "no memory for a frame body of {len} bytes (within max_body, but the allocation failed; \
+         lower max_body)"
+    )]
+    NoMemory {
+        /// Announced length.
+        len: u64,
+    },
 }
 
 impl FrameHead {
@@ -309,8 +319,17 @@ impl Decoder {
             && src.len() >= prefix
         {
             let (kind, meta) = self.take_type_and_meta(&head, src)?;
-            // The length was checked against max_body in `FrameHead::parse`.
-            let mut body = BytesMut::with_capacity(body_len);
+            // The length was checked against max_body in `FrameHead::parse`, but max_body may
+            // be more than the host can give: ask, so that a peer's announcement fails this
+            // connection instead of aborting the process. (The pages are touched only as the
+            // body's bytes arrive.)
+            let mut buf = Vec::new();
+            buf.try_reserve_exact(body_len)
+                .map_err(|_| FrameError::NoMemory { len: head.body_len })?;
+            // `Bytes` from an empty `Vec` with capacity, then unique, into `BytesMut`: both
+            // documented to keep the allocation (no copy; the capacity stays).
+            let mut body = BytesMut::from(Bytes::from(buf));
+            debug_assert!(body.capacity() >= body_len);
             let take = src.len().min(body_len);
             body.extend_from_slice(&src[..take]);
             src.advance(take);
@@ -509,6 +528,42 @@ mod tests {
             FrameHead::parse(&h, &l),
             Err(FrameError::Reserved("byte 3"))
         );
+    }
+
+    /// 25 bytes announcing a body the host cannot give, under a `max_body` that allows it:
+    /// an error for this connection, not an abort of the process. (Where the kernel
+    /// overcommits without limit, the reservation succeeds and costs only address space; the
+    /// decoder then waits for the body.)
+    #[test]
+    fn a_body_the_host_cannot_give_fails_the_connection_not_the_process() {
+        let huge = Limits::MAX_BODY_CEILING;
+        let mut d = Decoder::new(Limits {
+            max_body: huge,
+            ..limits()
+        });
+        let mut src = BytesMut::new();
+        src.extend_from_slice(&head(1, 0, 1, 0, huge, 0));
+        src.extend_from_slice(b"t");
+        match d.decode(&mut src) {
+            Err(e) => {
+                assert_eq!(e, FrameError::NoMemory { len: huge });
+                assert!(e.to_string().contains("lower max_body"), "{e}");
+                assert_eq!(d.decode(&mut src), Err(e), "the error is sticky");
+            }
+            Ok(None) => {
+                let overcommit = std::fs::read_to_string("/proc/sys/vm/overcommit_memory");
+                assert_eq!(
+                    overcommit.ok().as_deref().map(str::trim),
+                    Some("1"),
+                    "reserved 1 TiB"
+                );
+                assert_eq!(
+                    d.body_target().map(|(_, missing)| missing as u64),
+                    Some(huge)
+                );
+            }
+            Ok(Some(f)) => panic!("a frame out of 25 bytes: {f:?}"),
+        }
     }
 
     #[test]
