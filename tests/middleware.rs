@@ -1263,3 +1263,62 @@ fn tokio_test_sender_ready(tx: &mut hyperframes::Sender) -> Poll<hyperframes::Re
     let mut cx = std::task::Context::from_waker(&waker);
     Service::<Message>::poll_ready(tx, &mut cx)
 }
+
+/// The response futures read the channel themselves, taking turns: many tasks on a
+/// multi-threaded runtime, each request answered after a random delay (so replies come out
+/// of order) and some requests cancelled by a short timeout, must all finish: every request
+/// not cancelled gets its own reply, and no reader is lost when the one reading is cancelled
+/// or answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn client_requests_on_many_threads_with_cancellations_all_finish() {
+    let (ctx, l, url) = listen(T::Inproc, Context::builder()).await;
+    let handler = service_fn(|req: Message| async move {
+        let n: u64 = req.meta().get("n").unwrap().parse().unwrap();
+        tokio::time::sleep(Duration::from_micros(n * 7919 % 3000)).await;
+        Ok::<_, BoxError>(Some(m("echo.reply").with_body(req.body().clone())))
+    });
+    let server = serve(l, tower::make::Shared::new(handler));
+    let stop = server.shutdown_handle();
+    let task = tokio::spawn(server.into_future());
+    let client = Client::new(ctx.connect(&url).await.unwrap());
+    let stats = client.stats();
+    let svc = ServiceBuilder::new().buffer(256).service(client);
+    let mut tasks = tokio::task::JoinSet::new();
+    for t in 0..16u64 {
+        let mut svc = svc.clone();
+        tasks.spawn(async move {
+            let (mut answered, mut cancelled) = (0, 0);
+            for i in 0..100u64 {
+                let n = t * 1000 + i;
+                let req = with("echo.req", &[("n", &n.to_string())]).with_body(n.to_string());
+                let call = svc.ready().await.unwrap().call(req);
+                // One request in five gets far less time than its reply may take.
+                let limit = if n % 5 == 0 {
+                    Duration::from_micros(300)
+                } else {
+                    GUARD
+                };
+                match timeout(limit, call).await {
+                    Ok(reply) => {
+                        let reply = reply.unwrap();
+                        assert_eq!(reply.body().as_bytes().unwrap(), n.to_string().as_bytes());
+                        answered += 1;
+                    }
+                    Err(_) => cancelled += 1,
+                }
+            }
+            (answered, cancelled)
+        });
+    }
+    let (mut answered, mut cancelled) = (0, 0);
+    while let Some(r) = timeout(GUARD, tasks.join_next()).await.expect("no hang") {
+        let (a, c) = r.unwrap();
+        answered += a;
+        cancelled += c;
+    }
+    assert_eq!(answered + cancelled, 1600);
+    assert!(answered >= 1280, "only {answered} answered");
+    eventually("every slot is free", || stats.in_flight() == 0).await;
+    stop.shutdown();
+    timeout(GUARD, task).await.unwrap().unwrap().unwrap();
+}

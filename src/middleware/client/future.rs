@@ -5,10 +5,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use tokio::sync::oneshot;
-
 use super::Slot;
-use crate::{Error, ErrorKind, Message, Result};
+use crate::{Error, Message, Result};
 
 /// Response future of [`Client`](super::Client): the reply to one request. Dropping it
 /// cancels the request: its slot is freed at once and a reply that comes later is discarded
@@ -18,17 +16,16 @@ pub struct ResponseFuture {
 }
 
 enum State {
-    Waiting {
-        reply: oneshot::Receiver<Result<Message>>,
-        _slot: Slot,
-    },
+    /// In flight; the slot is freed (and the request forgotten) when the state leaves.
+    Waiting(Slot),
     Failed(Option<Error>),
+    Done,
 }
 
 impl ResponseFuture {
-    pub(super) fn waiting(reply: oneshot::Receiver<Result<Message>>, slot: Slot) -> Self {
+    pub(super) fn waiting(slot: Slot) -> Self {
         ResponseFuture {
-            state: State::Waiting { reply, _slot: slot },
+            state: State::Waiting(slot),
         }
     }
 
@@ -43,27 +40,25 @@ impl Future for ResponseFuture {
     type Output = Result<Message>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<Message>> {
-        match &mut self.get_mut().state {
-            State::Waiting { reply, .. } => Poll::Ready(match ready!(Pin::new(reply).poll(cx)) {
-                Ok(result) => result,
-                // The reader never drops a waiter without answering it; be explicit anyway.
-                Err(_) => Err(Error::new(
-                    ErrorKind::Closed,
-                    "the client's reader stopped before the reply came",
-                )),
-            }),
-            State::Failed(err) => Poll::Ready(Err(err
-                .take()
-                .expect("ResponseFuture polled after completion"))),
-        }
+        let this = self.get_mut();
+        let out = match &mut this.state {
+            State::Waiting(slot) => ready!(slot.poll_reply(cx)),
+            State::Failed(err) => Err(err.take().expect("ResponseFuture polled after completion")),
+            State::Done => panic!("ResponseFuture polled after completion"),
+        };
+        // Frees the slot now, not when the caller drops the future: another request may
+        // have to take over reading the channel.
+        this.state = State::Done;
+        Poll::Ready(out)
     }
 }
 
 impl fmt::Debug for ResponseFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self.state {
-            State::Waiting { .. } => "ResponseFuture(waiting)",
+            State::Waiting(_) => "ResponseFuture(waiting)",
             State::Failed(_) => "ResponseFuture(failed)",
+            State::Done => "ResponseFuture(done)",
         })
     }
 }

@@ -4,8 +4,11 @@
 //! Many requests may be in flight at once; replies may come in any order. The client sets
 //! each request's header to [`Flags::REQUEST`] and a fresh correlation id; the peer (for
 //! example [`serve()`](crate::middleware::serve())) answers with
-//! [`Flags::RESPONSE`] and the same id. A task spawned by [`Client::new`] reads the channel
-//! and hands each reply to its request.
+//! [`Flags::RESPONSE`] and the same id. There is no reader task: a response future being
+//! polled reads the channel itself and hands each reply it finds to its request (waking it),
+//! so a reply reaches its caller without a hop through another task. Messages that arrive
+//! while no request is in flight wait in the channel (backpressure on the peer) until the
+//! next request reads them.
 //!
 //! * **Slots.** At most [`max_in_flight`](Client::max_in_flight) requests are in flight
 //!   (default 1024); `poll_ready` waits for a free slot and for room in the channel. A slot
@@ -61,14 +64,14 @@ pub mod future;
 
 use std::collections::HashMap;
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use futures_util::task::AtomicWaker;
-use tokio::sync::oneshot;
-use tokio::task::AbortHandle;
 use tower::Service;
 
 use self::future::ResponseFuture;
@@ -86,11 +89,34 @@ pub struct Client {
     reserved: bool,
 }
 
-type Waiter = oneshot::Sender<Result<Message>>;
+/// Correlation ids are a counter: hashing them is a multiply (SipHash per insert and
+/// removal cost more than the rest of the bookkeeping).
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8 | u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u64(&mut self, id: u64) {
+        self.0 = id.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
 
 struct Inner {
     peer: String,
     state: Mutex<State>,
+    /// The channel's receiving half, read by the response futures themselves (there is no
+    /// reader task): whichever polls takes what has arrived and hands each reply to its
+    /// request. `None` once it ended. Lock order: `rx`, then `state`.
+    rx: Mutex<Option<Receiver>>,
     /// Slots taken: reserved by `poll_ready` or held by a response future.
     in_flight: AtomicUsize,
     /// The client's `poll_ready` waiting for a slot (only the client polls: it is not Clone).
@@ -98,19 +124,26 @@ struct Inner {
     failed: AtomicBool,
     discarded: AtomicU64,
     unsolicited: AtomicU64,
-    client_alive: AtomicBool,
-    reader: Mutex<Option<AbortHandle>>,
     log: LogLimit,
 }
 
+/// A request in flight: its reply once it came, and the waker of its response future.
+struct Entry {
+    reply: Option<Result<Message>>,
+    waker: Option<Waker>,
+}
+
 struct State {
-    pending: HashMap<u64, Waiter>,
+    pending: HashMap<u64, Entry, BuildHasherDefault<IdHasher>>,
     failure: Option<Error>,
+    /// The request whose waker the receiver holds (it polled last and got `Pending`): when it
+    /// leaves, another request must take over reading, or the others would wait forever.
+    reader: Option<u64>,
 }
 
 impl Inner {
     fn state(&self) -> MutexGuard<'_, State> {
-        // Every critical section is a single map operation: the state stays consistent even
+        // Every critical section is a few map operations: the state stays consistent even
         // if a holder panicked.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -135,8 +168,9 @@ impl Inner {
         self.slot_waker.wake();
     }
 
-    /// Hands a received message to the request it answers.
-    fn deliver(&self, msg: Message) {
+    /// What a received message means: `Some((id, result))` for a reply, `None` (counted and
+    /// logged) for a message that is not one.
+    fn classify(&self, msg: Message) -> Option<(u64, Result<Message>)> {
         let header = msg.header();
         if !header.flags.contains(Flags::RESPONSE) {
             let n = self.unsolicited.fetch_add(1, Ordering::Relaxed) + 1;
@@ -147,60 +181,166 @@ impl Inner {
                     msg.kind()
                 );
             }
-            return;
+            return None;
         }
-        let waiter = self.state().pending.remove(&header.correlation);
-        let Some(waiter) = waiter else {
-            self.discarded.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(
-                "client of {}: discarded reply {} of type `{}`: its request was cancelled",
-                self.peer,
-                header.correlation,
-                msg.kind()
-            );
-            return;
-        };
         let result = if msg.kind() == ERROR_TYPE {
             Err(remote_error(&self.peer, &msg))
         } else {
             Ok(msg)
         };
-        if waiter.send(result).is_err() {
-            // Cancelled between the lookup and now.
-            self.discarded.fetch_add(1, Ordering::Relaxed);
+        Some((header.correlation, result))
+    }
+
+    /// Hands the reply `id` to its request and wakes it; counts it when the request is gone.
+    fn deliver(&self, id: u64, result: Result<Message>) {
+        let mut st = self.state();
+        match st.pending.get_mut(&id) {
+            Some(entry) if entry.reply.is_none() => {
+                entry.reply = Some(result);
+                if let Some(w) = entry.waker.take() {
+                    drop(st);
+                    w.wake();
+                }
+            }
+            _ => {
+                drop(st);
+                self.discarded.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(
+                    "client of {}: discarded reply {id}: its request was cancelled",
+                    self.peer,
+                );
+            }
         }
     }
 
     /// Fails every request in flight, and every later one, with `err`.
     fn fail(&self, err: Error) {
-        let waiters: Vec<Waiter> = {
+        let wakers: Vec<Waker> = {
             let mut st = self.state();
-            let waiters = st.pending.drain().map(|(_, w)| w).collect();
             st.failure = Some(err.duplicate());
-            waiters
+            st.reader = None;
+            let n = st.pending.len();
+            if n > 0 {
+                tracing::debug!(
+                    "client of {}: failing {n} requests in flight: {err}",
+                    self.peer
+                );
+            }
+            st.pending
+                .values_mut()
+                .filter_map(|e| {
+                    e.reply.get_or_insert_with(|| Err(err.duplicate()));
+                    e.waker.take()
+                })
+                .collect()
         };
         self.failed.store(true, Ordering::Release);
-        if !waiters.is_empty() {
-            tracing::debug!(
-                "client of {}: failing {} requests in flight: {err}",
-                self.peer,
-                waiters.len()
-            );
-        }
-        for w in waiters {
-            let _ = w.send(Err(err.duplicate()));
+        for w in wakers {
+            w.wake();
         }
         self.slot_waker.wake();
     }
 
-    /// Stops the reader once nobody can want a reply any more.
-    fn maybe_stop_reader(&self) {
-        if self.client_alive.load(Ordering::Acquire) || !self.state().pending.is_empty() {
-            return;
+    /// Request `id` leaves (answered or cancelled): forget it, and if the receiver may hold
+    /// its waker (it is the reader), or no request is known to be reading (it may have taken
+    /// its own reply from the channel last), wake another request to read in its place. A
+    /// wake too many costs a poll; one too few would leave the others waiting forever.
+    fn leave(&self, id: u64) {
+        let mut st = self.state();
+        st.pending.remove(&id);
+        if st.reader.is_none_or(|r| r == id) && !st.pending.is_empty() {
+            st.reader = None;
+            let next = st
+                .pending
+                .values_mut()
+                .find(|e| e.reply.is_none() && e.waker.is_some())
+                .and_then(|e| e.waker.take());
+            drop(st);
+            if let Some(w) = next {
+                w.wake();
+            }
         }
-        let reader = self.reader.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(r) = reader {
-            r.abort();
+    }
+
+    /// The reply to request `id`: taken from its entry if another request delivered it, else
+    /// read from the channel (handing the replies of others to them on the way).
+    fn poll_reply(&self, id: u64, cx: &mut Context<'_>) -> Poll<Result<Message>> {
+        {
+            let mut st = self.state();
+            let Some(entry) = st.pending.get_mut(&id) else {
+                return Poll::Ready(Err(Error::new(
+                    ErrorKind::Closed,
+                    "the request is no longer in flight",
+                )));
+            };
+            if let Some(reply) = entry.reply.take() {
+                return Poll::Ready(reply);
+            }
+            // Before reading: whoever reads now (maybe on another thread) wakes us with the
+            // reply, or hands the reading over to us when it leaves.
+            match &entry.waker {
+                Some(w) if w.will_wake(cx.waker()) => {}
+                _ => entry.waker = Some(cx.waker().clone()),
+            }
+        }
+        let mut rx = match self.rx.try_lock() {
+            Ok(rx) => rx,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            // Another request is reading right now: it delivers our reply or wakes us.
+            Err(TryLockError::WouldBlock) => return Poll::Pending,
+        };
+        // A bound on the messages taken in one poll, so a flood of other replies cannot hold
+        // this task; past it, yield and come back.
+        for _ in 0..64 {
+            let Some(receiver) = rx.as_mut() else {
+                // Ended: `fail` has answered every entry, ours too.
+                drop(rx);
+                return self.take_answered(id);
+            };
+            match receiver.poll_next_unpin(cx) {
+                Poll::Ready(Some(Ok(msg))) => match self.classify(msg) {
+                    Some((got, result)) if got == id => return Poll::Ready(result),
+                    Some((got, result)) => self.deliver(got, result),
+                    None => {}
+                },
+                Poll::Ready(end) => {
+                    let err = match end {
+                        Some(Err(e)) => e,
+                        _ => Error::new(
+                            ErrorKind::Closed,
+                            format!(
+                                "{} closed the channel; no more replies will come",
+                                self.peer
+                            ),
+                        ),
+                    };
+                    *rx = None;
+                    drop(rx);
+                    self.fail(err);
+                    return self.take_answered(id);
+                }
+                Poll::Pending => {
+                    self.state().reader = Some(id);
+                    return Poll::Pending;
+                }
+            }
+        }
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+
+    fn take_answered(&self, id: u64) -> Poll<Result<Message>> {
+        match self
+            .state()
+            .pending
+            .get_mut(&id)
+            .and_then(|e| e.reply.take())
+        {
+            Some(reply) => Poll::Ready(reply),
+            None => Poll::Ready(Err(Error::new(
+                ErrorKind::Closed,
+                "the channel ended before the reply came",
+            ))),
         }
     }
 }
@@ -224,62 +364,43 @@ struct Slot {
     id: Option<u64>,
 }
 
-impl Drop for Slot {
-    fn drop(&mut self) {
-        if let Some(id) = self.id {
-            self.inner.state().pending.remove(&id);
-        }
-        self.inner.release_slot();
-        self.inner.maybe_stop_reader();
+impl Slot {
+    fn poll_reply(&self, cx: &mut Context<'_>) -> Poll<Result<Message>> {
+        let id = self.id.expect("a waiting slot has an id");
+        self.inner.poll_reply(id, cx)
     }
 }
 
-async fn read_replies(mut rx: Receiver, inner: Arc<Inner>) {
-    let end = loop {
-        match rx.recv().await {
-            Some(Ok(msg)) => inner.deliver(msg),
-            Some(Err(e)) => break e,
-            None => {
-                break Error::new(
-                    ErrorKind::Closed,
-                    format!(
-                        "{} closed the channel; no more replies will come",
-                        inner.peer
-                    ),
-                );
-            }
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            self.inner.leave(id);
         }
-    };
-    inner.fail(end);
+        self.inner.release_slot();
+    }
 }
 
 impl Client {
-    /// Wraps `channel`, spawning the task that reads its replies on the current tokio
-    /// runtime. The task ends when the peer closes the channel or it breaks, or once the
-    /// client and every response future are dropped.
-    ///
-    /// # Panics
-    /// Outside a tokio runtime (as `tokio::spawn` does).
+    /// Wraps `channel`. No task is spawned: the response futures read the replies
+    /// themselves, so the reply reaches the caller without a hop through another task.
     pub fn new(channel: Channel) -> Client {
         let peer = channel.info().peer_url().to_owned();
         let (tx, rx) = channel.split();
         let inner = Arc::new(Inner {
             peer,
             state: Mutex::new(State {
-                pending: HashMap::new(),
+                pending: HashMap::default(),
                 failure: None,
+                reader: None,
             }),
+            rx: Mutex::new(Some(rx)),
             in_flight: AtomicUsize::new(0),
             slot_waker: AtomicWaker::new(),
             failed: AtomicBool::new(false),
             discarded: AtomicU64::new(0),
             unsolicited: AtomicU64::new(0),
-            client_alive: AtomicBool::new(true),
-            reader: Mutex::new(None),
             log: LogLimit::new(Duration::from_secs(1)),
         });
-        let reader = tokio::spawn(read_replies(rx, inner.clone()));
-        *inner.reader.lock().unwrap_or_else(|p| p.into_inner()) = Some(reader.abort_handle());
         Client {
             tx,
             inner,
@@ -376,27 +497,30 @@ impl Service<Message> for Client {
             flags: Flags::REQUEST,
             correlation: id,
         };
-        let (waiter, reply) = oneshot::channel();
         {
             let mut st = self.inner.state();
             if let Some(e) = &st.failure {
                 return ResponseFuture::failed(e.duplicate().with_message(msg));
             }
-            st.pending.insert(id, waiter);
+            st.pending.insert(
+                id,
+                Entry {
+                    reply: None,
+                    waker: None,
+                },
+            );
         }
         slot.id = Some(id);
         if let Err(e) = self.tx.try_send(msg) {
             return ResponseFuture::failed(e);
         }
-        ResponseFuture::waiting(reply, slot)
+        ResponseFuture::waiting(slot)
     }
 }
 
 impl Drop for Client {
     fn drop(&mut self) {
         self.disarm();
-        self.inner.client_alive.store(false, Ordering::Release);
-        self.inner.maybe_stop_reader();
     }
 }
 

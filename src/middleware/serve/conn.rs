@@ -1,7 +1,7 @@
 //! Driving a handler on one channel.
 
 use std::future::Future;
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll, ready};
@@ -15,7 +15,7 @@ use tower::Service;
 
 use super::{Counters, ERROR_TYPE};
 use crate::middleware::BoxError;
-use crate::{Channel, Error, ErrorKind, Flags, Header, Message, MsgType, Result};
+use crate::{Channel, Error, ErrorKind, Flags, Header, Message, MsgType, Result, Sender};
 
 /// What a response needs from its request.
 struct Request {
@@ -85,6 +85,11 @@ pub(crate) fn error_reply(request_kind: &MsgType, correlation: u64, err: &BoxErr
 /// holds no reservation; at most one received message waits for readiness, and at most
 /// `max_in_flight` calls run at once. Meanwhile nothing more is read, so the transport's
 /// receive queue fills and the peer is backpressured.
+///
+/// The first call in flight lives in this future's own (pinned) state and only the others go
+/// to a `FuturesUnordered`, so a channel carrying one request at a time allocates nothing per
+/// request; the shutdown signal is one long-lived future polled last (to wake an idle loop),
+/// and a flag checked at every turn, not a new registration with the watch channel each time.
 pub(super) async fn drive<S>(
     channel: Channel,
     mut svc: S,
@@ -98,98 +103,103 @@ where
 {
     let peer = channel.info().peer_url().to_owned();
     let (mut tx, mut rx) = channel.split();
+    let mut first: Pin<&mut Option<Call<S::Future>>> = pin!(None);
     let mut in_flight: FuturesUnordered<Call<S::Future>> = FuturesUnordered::new();
     let mut waiting: Option<Message> = None;
     let mut reading = true;
     let mut draining = *shutdown.borrow_and_update();
+    let mut shutdown_seen = shutdown.clone();
+    let mut stop = pin!(async move {
+        // An error means the server is gone: shut down as well.
+        let _ = shutdown.wait_for(|stop| *stop).await;
+    });
     let mut outcome = Ok(());
 
     loop {
-        let accepting =
-            reading && !draining && waiting.is_none() && in_flight.len() < max_in_flight;
-        if !accepting && waiting.is_none() && in_flight.is_empty() {
-            break;
+        // The flag, checked at every turn (an atomic load): the `stop` branch comes last, so
+        // under load it may not be polled, and it is there to wake an idle loop.
+        if !draining && shutdown_seen.has_changed().unwrap_or(true) {
+            draining = shutdown_seen.has_changed().is_err() || *shutdown_seen.borrow_and_update();
         }
-        tokio::select! {
-            biased;
-            // An error means the server is gone: shut down as well.
-            changed = shutdown.changed(), if !draining => {
-                draining = changed.is_err() || *shutdown.borrow_and_update();
-            }
-            Some((req, result)) = in_flight.next() => {
-                let reply = match result {
-                    Ok(Some(mut resp)) => {
-                        let h = resp.header_mut();
-                        h.flags = h.flags.union(Flags::RESPONSE);
-                        if h.correlation == 0 {
-                            h.correlation = req.header.correlation;
-                        }
-                        Some(resp)
-                    }
-                    Ok(None) => None,
-                    Err(e) => {
-                        let e: BoxError = e.into();
-                        stats.errors.fetch_add(1, Ordering::Relaxed);
-                        if let Some(held) = stats.log.allow() {
-                            tracing::warn!(
-                                "handler failed on a message of type `{}` from {peer}: {e}{}",
-                                req.kind,
-                                if held > 0 { format!(" ({held} more failures since the last warning)") } else { String::new() },
-                            );
-                        }
-                        req.header.flags.contains(Flags::REQUEST)
-                            .then(|| error_reply(&req.kind, req.header.correlation, &e))
-                    }
-                };
-                if let Some(reply) = reply {
-                    match tx.send(reply).await {
-                        Ok(()) => {
-                            stats.responses.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Err(mut e) if e.kind() == ErrorKind::LimitExceeded => {
-                            // Too large for the peer: this reply is lost, the channel is fine.
-                            stats.errors.fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!("response to {peer} not sent: {e}");
-                            if req.header.flags.contains(Flags::REQUEST) {
-                                drop(e.take_message());
-                                let reason: BoxError = e.into();
-                                let _ = tx.send(error_reply(&req.kind, req.header.correlation, &reason)).await;
-                            }
-                        }
-                        Err(e) => {
+        // The common case without a turn of the select below: a received message whose
+        // handler is ready is called at once, and a call that finishes at its first poll
+        // (a handler that does not wait) is answered at once.
+        if waiting.is_some() && first.is_none() {
+            match poll_fn(|cx| Poll::Ready(svc.poll_ready(cx))).await {
+                Poll::Ready(Ok(())) => {
+                    let call = start(&mut svc, waiting.take().expect("a waiting message"), &stats);
+                    first.set(Some(call));
+                    let mut call = first.as_mut().as_pin_mut().expect("just set");
+                    if let Poll::Ready((req, result)) =
+                        poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await
+                    {
+                        first.set(None);
+                        if let Err(e) = respond(&mut tx, &peer, &stats, req, result).await {
                             outcome = Err(e);
                             break;
                         }
                     }
                 }
+                Poll::Ready(Err(e)) => {
+                    outcome = Err(not_ready(&peer, e));
+                    break;
+                }
+                Poll::Pending => {} // the select below waits for it
             }
+        }
+        let busy = usize::from(first.is_some()) + in_flight.len();
+        let accepting = reading && !draining && waiting.is_none() && busy < max_in_flight;
+        if !accepting && waiting.is_none() && busy == 0 {
+            break;
+        }
+        let done = tokio::select! {
+            biased;
+            done = poll_fn(|cx| match first.as_mut().as_pin_mut() {
+                Some(call) => call.poll(cx),
+                None => Poll::Pending,
+            }), if first.is_some() => {
+                first.set(None);
+                Some(done)
+            }
+            Some(done) = in_flight.next() => Some(done),
             ready = poll_fn(|cx| svc.poll_ready(cx)), if waiting.is_some() => match ready {
                 Ok(()) => {
-                    let msg = waiting.take().expect("a waiting message");
-                    let req = Request { header: msg.header(), kind: msg.kind().clone() };
-                    stats.calls.fetch_add(1, Ordering::Relaxed);
-                    in_flight.push(Call { request: Some(req), future: svc.call(msg) });
+                    let call = start(&mut svc, waiting.take().expect("a waiting message"), &stats);
+                    if first.is_none() {
+                        first.set(Some(call));
+                    } else {
+                        in_flight.push(call);
+                    }
+                    None
                 }
                 Err(e) => {
-                    let e: BoxError = e.into();
-                    outcome = Err(Error::new(
-                        ErrorKind::Service,
-                        format!("the handler of the channel with {peer} failed and can take no more messages"),
-                    )
-                    .with_source(e));
+                    outcome = Err(not_ready(&peer, e));
                     break;
                 }
             },
-            next = rx.recv(), if accepting => match next {
-                Some(Ok(msg)) => waiting = Some(msg),
-                Some(Err(e)) => {
-                    // Finish what is in flight (its replies will likely fail too), then end.
-                    reading = false;
-                    outcome = Err(e);
+            next = rx.recv(), if accepting => {
+                match next {
+                    Some(Ok(msg)) => waiting = Some(msg),
+                    Some(Err(e)) => {
+                        // Finish what is in flight (its replies will likely fail too), then end.
+                        reading = false;
+                        outcome = Err(e);
+                    }
+                    None => reading = false,
                 }
-                None => reading = false,
-            },
+                None
+            }
+            () = &mut stop, if !draining => {
+                draining = true;
+                None
+            }
             else => break,
+        };
+        if let Some((req, result)) = done
+            && let Err(e) = respond(&mut tx, &peer, &stats, req, result).await
+        {
+            outcome = Err(e);
+            break;
         }
     }
     if let Some(msg) = waiting.take() {
@@ -199,6 +209,7 @@ where
         );
     }
     // Calls still in flight here are abandoned only on error (the loop drains them otherwise).
+    first.set(None);
     drop(in_flight);
     let closed = tx.close().await;
     outcome.and(match closed {
@@ -206,4 +217,88 @@ where
         Err(e) if e.is_closed() => Ok(()),
         other => other,
     })
+}
+
+/// Calls the service with `msg`, keeping what the reply needs from the request.
+fn start<S: Service<Message>>(svc: &mut S, msg: Message, stats: &Counters) -> Call<S::Future> {
+    let req = Request {
+        header: msg.header(),
+        kind: msg.kind().clone(),
+    };
+    stats.calls.fetch_add(1, Ordering::Relaxed);
+    Call {
+        request: Some(req),
+        future: svc.call(msg),
+    }
+}
+
+/// The end of a channel whose handler's `poll_ready` failed.
+fn not_ready(peer: &str, e: impl Into<BoxError>) -> Error {
+    Error::new(
+        ErrorKind::Service,
+        format!("the handler of the channel with {peer} failed and can take no more messages"),
+    )
+    .with_source(e.into())
+}
+
+/// Sends what a finished call answers, if anything: its response, marked as one and
+/// correlated, or an error reply to a request whose handler failed. `Err` only when the
+/// channel can carry nothing more.
+async fn respond<E: Into<BoxError>>(
+    tx: &mut Sender,
+    peer: &str,
+    stats: &Counters,
+    req: Request,
+    result: std::result::Result<Option<Message>, E>,
+) -> Result<()> {
+    let reply = match result {
+        Ok(Some(mut resp)) => {
+            let h = resp.header_mut();
+            h.flags = h.flags.union(Flags::RESPONSE);
+            if h.correlation == 0 {
+                h.correlation = req.header.correlation;
+            }
+            resp
+        }
+        Ok(None) => return Ok(()),
+        Err(e) => {
+            let e: BoxError = e.into();
+            stats.errors.fetch_add(1, Ordering::Relaxed);
+            if let Some(held) = stats.log.allow() {
+                tracing::warn!(
+                    "handler failed on a message of type `{}` from {peer}: {e}{}",
+                    req.kind,
+                    if held > 0 {
+                        format!(" ({held} more failures since the last warning)")
+                    } else {
+                        String::new()
+                    },
+                );
+            }
+            if !req.header.flags.contains(Flags::REQUEST) {
+                return Ok(());
+            }
+            error_reply(&req.kind, req.header.correlation, &e)
+        }
+    };
+    match tx.send(reply).await {
+        Ok(()) => {
+            stats.responses.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        Err(mut e) if e.kind() == ErrorKind::LimitExceeded => {
+            // Too large for the peer: this reply is lost, the channel is fine.
+            stats.errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("response to {peer} not sent: {e}");
+            if req.header.flags.contains(Flags::REQUEST) {
+                drop(e.take_message());
+                let reason: BoxError = e.into();
+                let _ = tx
+                    .send(error_reply(&req.kind, req.header.correlation, &reason))
+                    .await;
+            }
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
 }
