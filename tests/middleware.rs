@@ -529,6 +529,68 @@ async fn schema_refuses_on_the_receive_side(t: T) {
     timeout(GUARD, task).await.unwrap().unwrap().unwrap();
 }
 
+/// A request that the server's handler does not answer — dropped by the README's own
+/// `TypeFilterLayer::discard()`, or answered `Ok(None)` — gets an error reply, counted, so the
+/// client's call fails at once instead of waiting for its own timeout; a plain message (not a
+/// request) answered `Ok(None)` still gets nothing.
+async fn serve_answers_every_request_it_does_not_answer_otherwise(t: T) {
+    let (ctx, l, url) = listen(t, Context::builder()).await;
+    let filter = TypeFilterLayer::new(["video.frame", "video.quiet"])
+        .unwrap()
+        .discard();
+    let dropped = filter.stats();
+    let handler = filter.layer(service_fn(|req: Message| async move {
+        if req.kind() == "video.quiet" {
+            return Ok::<_, BoxError>(None);
+        }
+        Ok(Some(reply_to(&req, "video.ack")))
+    }));
+    let server = serve(l, tower::make::Shared::new(handler));
+    let (stop, stats) = (server.shutdown_handle(), server.stats());
+    let task = tokio::spawn(server.into_future());
+
+    let mut client = Client::new(ctx.connect(&url).await.unwrap());
+    for (kind, why) in [
+        ("audio.frame", "a filter may have dropped it"),
+        ("video.quiet", "no reply"),
+    ] {
+        let err = timeout(GUARD, client.ready().await.unwrap().call(m(kind)))
+            .await
+            .expect("an answer, not a wait for the caller's timeout")
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Remote, "{err}");
+        let text = err.to_string();
+        assert!(text.contains(kind) && text.contains(why), "{text}");
+    }
+    let ok = client
+        .ready()
+        .await
+        .unwrap()
+        .call(m("video.frame"))
+        .await
+        .unwrap();
+    assert_eq!(ok.kind(), "video.ack");
+    assert_eq!((dropped.dropped(), stats.unanswered()), (1, 2));
+
+    // Not requests: nothing comes back for the dropped or unanswered ones.
+    let mut raw = ctx.connect(&url).await.unwrap();
+    raw.send(m("audio.frame")).await.unwrap();
+    raw.send(m("video.quiet")).await.unwrap();
+    let probe = m("video.frame").with_header(Header {
+        flags: Flags::REQUEST,
+        correlation: 7,
+    });
+    raw.send(probe).await.unwrap();
+    let first = timeout(GUARD, raw.recv()).await.unwrap().unwrap().unwrap();
+    assert_eq!(
+        (first.kind().as_str(), first.header().correlation),
+        ("video.ack", 7)
+    );
+    assert_eq!(stats.unanswered(), 2);
+    stop.shutdown();
+    timeout(GUARD, task).await.unwrap().unwrap().unwrap();
+}
+
 /// The seed's pitfall: a receiver filtered on `video_frame` while the sender sends
 /// `audio_frame` must be diagnosable from the log alone.
 async fn filtered_receiver_is_diagnosable_from_the_log(t: T) {
@@ -1194,6 +1256,7 @@ suite!(
     schema_refuses_on_the_send_side,
     schema_refuses_on_the_receive_side,
     filtered_receiver_is_diagnosable_from_the_log,
+    serve_answers_every_request_it_does_not_answer_otherwise,
     client_pairs_reordered_replies,
     client_cancellation_frees_the_slot_and_counts_the_late_reply,
     client_fails_every_request_when_the_channel_goes,

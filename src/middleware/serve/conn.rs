@@ -260,7 +260,18 @@ async fn respond<E: Into<BoxError>>(
             }
             resp
         }
-        Ok(None) => return Ok(()),
+        Ok(None) if !req.header.flags.contains(Flags::REQUEST) => return Ok(()),
+        Ok(None) => {
+            // A request whose client waits: tell it there will be no reply.
+            stats.unanswered.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                "the handler gave no reply to a request of type `{}` from {peer}; answering with an error",
+                req.kind
+            );
+            let why: BoxError =
+                "the handler gave no reply to this request (a filter may have dropped it)".into();
+            error_reply(&req.kind, req.header.correlation, &why)
+        }
         Err(e) => {
             let e: BoxError = e.into();
             stats.errors.fetch_add(1, Ordering::Relaxed);

@@ -19,6 +19,10 @@
 //!   [`ErrorKind::Remote`] error — so a failure is tied to its
 //!   request, and no client waits for a reply that will never come. A handler whose
 //!   `poll_ready` fails ends its channel.
+//! * **No request left waiting.** A request the handler answers with `Ok(None)` (a message
+//!   dropped by a [`Discard`](crate::middleware::type_filter::Discard) filter, a handler that
+//!   only consumes) gets an error reply saying so, counted in [`ServeStats::unanswered`];
+//!   a message that is not a request gets nothing, as before.
 //! * **Isolation.** Each channel runs in a task of its own: a failing or panicking handler or
 //!   a broken connection ends that channel only, logged and counted
 //!   ([`ServeStats::failed`]).
@@ -122,6 +126,7 @@ pub(crate) struct Counters {
     calls: AtomicU64,
     responses: AtomicU64,
     errors: AtomicU64,
+    unanswered: AtomicU64,
     log: LogLimit,
 }
 
@@ -134,6 +139,7 @@ impl Default for Counters {
             calls: AtomicU64::new(0),
             responses: AtomicU64::new(0),
             errors: AtomicU64::new(0),
+            unanswered: AtomicU64::new(0),
             log: LogLimit::new(Duration::from_secs(1)),
         }
     }
@@ -175,6 +181,13 @@ impl ServeStats {
     /// Calls that failed (and replies too large for the peer).
     pub fn errors(&self) -> u64 {
         self.counters.errors.load(Ordering::Relaxed)
+    }
+
+    /// Requests ([`Flags::REQUEST`](crate::Flags::REQUEST)) whose handler answered `Ok(None)`
+    /// — dropped by a [`Discard`](crate::middleware::type_filter::Discard) filter, say — and
+    /// which got an error reply instead, so that the client does not wait for nothing.
+    pub fn unanswered(&self) -> u64 {
+        self.counters.unanswered.load(Ordering::Relaxed)
     }
 }
 

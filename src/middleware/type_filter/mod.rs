@@ -4,7 +4,7 @@
 //! | policy | an unmatched message | the caller sees |
 //! |---|---|---|
 //! | [`Reject`] (default) | is refused | an [`Unmatched`] error that names the type and the patterns and carries the message back |
-//! | [`Discard`] | is dropped, counted ([`FilterStats::dropped`]) and logged: a warning naming the type and the filter's patterns, at most one per interval (1 s by default) with the count since the last | the inner service's default response (`()` for a `Sender`, `None` for a handler); a service whose response has no default (a `Client`) cannot be given this policy |
+//! | [`Discard`] | is dropped, counted ([`FilterStats::dropped`]) and logged: a warning naming the type and the filter's patterns, at most one per interval (1 s by default) with the count since the last | the inner service's default response (`()` for a `Sender`, `None` for a handler, which [`serve`](crate::middleware::serve()) turns into an error reply when the message was a request); a service whose response has no default (a `Client`) cannot be given this policy |
 //! | [`Fallback`] | goes to a second service | that service's response |
 //!
 //! Every unmatched message is counted ([`FilterStats::unmatched`]).
