@@ -79,6 +79,7 @@ mod loom;
 pub mod message;
 #[cfg(feature = "tower")]
 pub mod middleware;
+mod text;
 mod transport;
 mod url;
 pub mod wire;
@@ -132,6 +133,7 @@ pub use channel::{
 };
 pub use error::{Error, ErrorKind, Result};
 pub use message::{Body, BodyMut, Flags, Header, Message, Meta, MsgType};
+pub use text::escape_untrusted;
 pub use url::Endpoint;
 
 /// Not part of the API: internals that `benches/` measure on their own. The `shm://`

@@ -741,10 +741,26 @@ async fn peer_error_frame(engine: IoEngine) {
     let Some((_ctx, mut listener, url)) = listen(engine).await else {
         return;
     };
-    let mut frame = head(4, 0, 0, 0, 11, 0);
-    frame.extend_from_slice(b"you are bad");
+    // A reason that would set the terminal title, clear the line and print a fake green
+    // line, then reverse what follows: the error's text carries it escaped.
+    let reason = "you are bad\u{1b}]0;pwned\u{7}\r\u{1b}[2K\u{1b}[32mOK\n\u{202e}gnp";
+    let mut frame = head(4, 0, 0, 0, reason.len() as u64, 0);
+    frame.extend_from_slice(reason.as_bytes());
     let (mut raw, mut ch) = established(&url, &mut listener, &frame).await;
-    expect_recv_error(&mut ch, ErrorKind::Protocol, &["you are bad"]).await;
+    let err = match guard("recv", ch.recv()).await {
+        Some(Err(e)) => e,
+        other => panic!("expected an error, got {other:?}"),
+    };
+    assert_eq!(err.kind(), ErrorKind::Protocol, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(r"you are bad\u{1b}]0;pwned\u{7}\r\u{1b}[2K\u{1b}[32mOK\n\u{202e}gnp"),
+        "{text}"
+    );
+    assert!(
+        !text.chars().any(|c| c.is_control() || c == '\u{202e}'),
+        "{text:?}"
+    );
     // We do not answer an ERROR with an ERROR.
     assert!(read_to_eof(&mut raw).await.is_empty());
 }

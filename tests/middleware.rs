@@ -1385,3 +1385,40 @@ async fn client_requests_on_many_threads_with_cancellations_all_finish() {
     stop.shutdown();
     timeout(GUARD, task).await.unwrap().unwrap().unwrap();
 }
+
+/// An error reply's text and request type are the peer's words: the client's error carries
+/// them escaped, so printing it cannot drive a terminal or forge a log line.
+#[tokio::test]
+async fn client_escapes_the_text_of_an_error_reply() {
+    let (_ctx, c, s) = pair(T::Inproc).await;
+    let peer = tokio::spawn(async move {
+        let (mut tx, mut rx) = s.split();
+        let req = timeout(GUARD, rx.recv()).await.unwrap().unwrap().unwrap();
+        let reply = m(hyperframes::middleware::serve::ERROR_TYPE)
+            .with_meta("request-type", "x.y\u{1b}[2J")
+            .unwrap()
+            .with_body("denied\r\n2026-12-03 INFO all good\u{202e}")
+            .with_header(Header {
+                flags: Flags::RESPONSE,
+                correlation: req.header().correlation,
+            });
+        tx.send(reply).await.unwrap();
+        (tx, rx)
+    });
+    let mut client = Client::new(c);
+    let err = client
+        .ready()
+        .await
+        .unwrap()
+        .call(m("x.y"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Remote);
+    let text = err.to_string();
+    assert!(
+        text.contains(r"`x.y\u{1b}[2J`: denied\r\n2026-12-03 INFO all good\u{202e}"),
+        "{text}"
+    );
+    assert!(!text.chars().any(char::is_control), "{text:?}");
+    drop(peer.await.unwrap());
+}

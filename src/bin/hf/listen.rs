@@ -19,9 +19,16 @@ with the metadata in the order the sender set it. On stderr: `listening on <url>
 (with the real port when URL asks for port 0), and `hf: connection from <peer>: <error>`
 when a connection fails (its peer died, or broke the protocol); listening goes on.
 
+Text the peer chose (metadata values, its error reasons) is printed escaped: control
+characters, C1 controls and bidi overrides come out as \\u escapes, never raw.
+
+Security: tcp:// has no authentication and no encryption: anyone who can reach the port can
+send to it and read the echoes. Listen on 127.0.0.1 unless the network is trusted.
+
 Examples:
   hf listen tcp://127.0.0.1:0                 # any free port; see stderr for which
-  hf listen tcp://0.0.0.0:5555 --echo --count 10";
+  hf listen tcp://127.0.0.1:5555 --echo --count 10
+  hf listen tcp://0.0.0.0:5555                # every interface: trusted networks only";
 
 /// How long, once `--count` is reached, open connections get to end cleanly.
 const DRAIN_GRACE: Duration = Duration::from_secs(5);

@@ -1,10 +1,11 @@
 //! What `hf listen` prints: one JSON line per message, counted across connections.
 
+use std::borrow::Cow;
 use std::fmt::Write as _;
 use std::io::{self, Write as _};
 use std::sync::Mutex;
 
-use hyperframes::Message;
+use hyperframes::{Message, escape_untrusted};
 use sha2::{Digest, Sha256};
 use tokio::sync::Notify;
 
@@ -20,9 +21,26 @@ pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
     hex
 }
 
-/// A JSON string literal for `s` (quotes and escapes included).
-fn json_str(s: &str) -> String {
-    serde_json::to_string(s).expect("a str always serializes")
+/// A JSON string literal for `s` (quotes and escapes included). serde_json escapes what JSON
+/// requires (`"`, `\\`, U+0000–U+001F); what a terminal would still act on — DEL, the C1
+/// controls (U+009B is a CSI), bidirectional overrides, line separators: the characters
+/// `escape_untrusted` escapes — is written as `\uXXXX` too, so the line stays valid JSON
+/// that decodes to the same string and shows as it is.
+pub(crate) fn json_str(s: &str) -> String {
+    let json = serde_json::to_string(s).expect("a str always serializes");
+    if matches!(escape_untrusted(&json), Cow::Borrowed(_)) {
+        return json;
+    }
+    let mut out = String::with_capacity(json.len() + 16);
+    for c in json.chars() {
+        if matches!(escape_untrusted(c.encode_utf8(&mut [0; 4])), Cow::Owned(_)) {
+            // Each of them is in the Basic Multilingual Plane: one `\u` escape.
+            let _ = write!(out, "\\u{:04x}", u32::from(c));
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// The JSON line for `msg`, without the newline:
@@ -185,5 +203,30 @@ mod tests {
             "{\"type\":\"e\",\"meta\":{},\"len\":0,\"sha256\":\
              \"e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855\"}"
         );
+    }
+
+    /// A peer's metadata cannot drive the terminal through `hf listen`: the 8-bit CSI, a
+    /// right-to-left override, DEL and a line separator come out as `\u` escapes, and the line
+    /// still decodes to the very string that was sent.
+    #[test]
+    fn json_lines_escape_what_a_terminal_would_act_on() {
+        let hostile = "a\u{9b}2Jb\u{202e}gnp.exe\u{7f}\u{2028}\u{1b}]0;title\u{7}";
+        let msg = Message::new("demo.hello")
+            .unwrap()
+            .with_meta("k", hostile)
+            .unwrap();
+        let line = json_line(&msg);
+        for c in [
+            '\u{9b}', '\u{202e}', '\u{7f}', '\u{2028}', '\u{1b}', '\u{7}',
+        ] {
+            assert!(!line.contains(c), "{c:?} raw in {line}");
+        }
+        assert!(
+            line.contains("\\u009b") && line.contains("\\u202e"),
+            "{line}"
+        );
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["meta"]["k"], hostile);
+        assert_eq!(json_str("plain ✓"), "\"plain ✓\"");
     }
 }

@@ -352,9 +352,14 @@ fn remote_error(peer: &str, msg: &Message) -> Error {
         .map(|b| String::from_utf8_lossy(b).into_owned())
         .unwrap_or_default();
     let kind = msg.meta().get("request-type").unwrap_or("?");
+    // Both are the peer's words: escaped, so that printing the error cannot drive a terminal.
     Error::new(
         ErrorKind::Remote,
-        format!("{peer} failed the request of type `{kind}`: {text}"),
+        format!(
+            "{peer} failed the request of type `{}`: {}",
+            crate::escape_untrusted(kind),
+            crate::escape_untrusted(&text)
+        ),
     )
 }
 

@@ -464,7 +464,10 @@ async fn read_loop<S: Io>(
                     return Err((
                         Error::new(
                             ErrorKind::Protocol,
-                            format!("the peer closed the connection: {reason}"),
+                            format!(
+                                "the peer closed the connection: {}",
+                                crate::escape_untrusted(&reason)
+                            ),
                         ),
                         false,
                     ));

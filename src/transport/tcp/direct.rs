@@ -579,7 +579,10 @@ impl ReadState {
                     return Poll::Ready(Err((
                         Error::new(
                             ErrorKind::Protocol,
-                            format!("the peer closed the connection: {reason}"),
+                            format!(
+                                "the peer closed the connection: {}",
+                                crate::escape_untrusted(&reason)
+                            ),
                         ),
                         false,
                     )));
