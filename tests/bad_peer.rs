@@ -341,6 +341,7 @@ for_both_engines!(
     client_against_a_silent_server,
     oversized_body,
     body_the_host_cannot_give,
+    connection_limits_hold_a_flood_back,
     truncated_frame,
     stall_mid_frame,
     stall_mid_large_body,
@@ -609,6 +610,72 @@ async fn body_the_host_cannot_give(engine: IoEngine) {
     expect_recv_error(&mut ch, ErrorKind::Protocol, &["no memory"]).await;
     expect_error_frame_then_eof(&mut raw, "no memory").await;
     round_trip(&ctx, &mut listener, &url).await;
+}
+
+/// A raw connection to `url` from the local address `from` (any of 127.0.0.0/8).
+async fn connect_from(from: &str, url: &str) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind(format!("{from}:0").parse().unwrap())
+        .expect("bind the source address");
+    guard("connect", socket.connect(addr(url).parse().unwrap()))
+        .await
+        .expect("connect")
+}
+
+/// Silent connections from one address take at most its share of the listener's places; one
+/// more from it is closed at once and counted; another address still gets in; a listener
+/// holding its maximum accepts nothing more until a place comes back.
+async fn connection_limits_hold_a_flood_back(engine: IoEngine) {
+    let ctx = Context::builder()
+        .io_engine(engine)
+        .handshake_timeout(GUARD) // silent peers keep their places for the whole test
+        .stall_timeout(STALL)
+        .max_connections(6)
+        .max_connections_per_peer(4)
+        .build()
+        .expect("context");
+    let mut listener = match ctx.bind("tcp://127.0.0.1:0").await {
+        Ok(l) => l,
+        Err(e) if engine == IoEngine::Uring && e.kind() == ErrorKind::Unavailable => return,
+        Err(e) => panic!("bind: {e}"),
+    };
+    let url = listener.local_url().to_owned();
+    let limits = Limits::default();
+    let mut silent = Vec::new();
+    for _ in 0..4 {
+        let mut s = connect_from("127.0.0.1", &url).await;
+        strip_our_handshake(&read_exact(&mut s, 32).await, &limits);
+        silent.push(s);
+    }
+    let mut fifth = connect_from("127.0.0.1", &url).await;
+    assert!(read_to_eof(&mut fifth).await.is_empty(), "closed unread");
+    wait_rejected(&listener, 1).await;
+
+    // Another address is let in, and its channel works.
+    let mut good = connect_from("127.0.0.2", &url).await;
+    good.write_all(&good_handshake()).await.unwrap();
+    strip_our_handshake(&read_exact(&mut good, 32).await, &limits);
+    let _ch = guard("accept", listener.accept()).await.expect("accept");
+    let mut sixth = connect_from("127.0.0.2", &url).await;
+    strip_our_handshake(&read_exact(&mut sixth, 32).await, &limits);
+
+    // Full: a seventh connection waits in the backlog, unanswered, until a place frees.
+    let mut seventh = connect_from("127.0.0.3", &url).await;
+    seventh.write_all(&good_handshake()).await.unwrap();
+    let mut byte = [0u8; 1];
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), seventh.read(&mut byte))
+            .await
+            .is_err(),
+        "a full listener answered"
+    );
+    drop(silent.pop());
+    strip_our_handshake(&read_exact(&mut seventh, 32).await, &limits);
+    let _ch7 = guard("accept", listener.accept()).await.expect("accept");
+    // The fifth, and the silent one that hung up in its handshake.
+    wait_rejected(&listener, 2).await;
+    assert_eq!(listener.rejected(), 2);
 }
 
 async fn truncated_frame(engine: IoEngine) {

@@ -170,6 +170,23 @@ impl ContextBuilder {
         self
     }
 
+    /// The most connections one `tcp://` listener holds at once, handshakes in progress
+    /// included. While it holds them all it accepts nothing more: new connections wait in the
+    /// kernel's backlog (and time out there) until one ends. Default 4096.
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.cfg.max_connections = n;
+        self
+    }
+
+    /// The most connections one peer address may hold at one `tcp://` listener, so that one
+    /// host cannot take every place; a connection past it is closed at once (before a byte
+    /// is read) and counted in [`Listener::rejected`](crate::Listener::rejected). Default
+    /// 512. (Every local client shares one address, `127.0.0.1`.)
+    pub fn max_connections_per_peer(mut self, n: usize) -> Self {
+        self.cfg.max_connections_per_peer = n;
+        self
+    }
+
     /// Deadline for the peer's handshake after the connection is up. Default 5 s.
     pub fn handshake_timeout(mut self, d: Duration) -> Self {
         self.cfg.handshake_timeout = d;
@@ -288,6 +305,9 @@ impl ContextBuilder {
         }
         if c.send_queue == 0 || c.recv_queue == 0 || c.accept_backlog == 0 {
             return bad("queue sizes and the accept backlog must be at least 1".into());
+        }
+        if c.max_connections == 0 || c.max_connections_per_peer == 0 {
+            return bad("max_connections and max_connections_per_peer must be at least 1".into());
         }
         if c.send_queue > 1 << 20 || c.recv_queue > 1 << 20 {
             return bad("queues hold at most 1 Mi messages".into());

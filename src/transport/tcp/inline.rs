@@ -121,7 +121,8 @@ pub(super) async fn bind(
     let spawner = rt.clone();
     rt.spawn(async move {
         let to = tx.clone();
-        setup::accept_loop(listener, tx, &cfg, |stream, peer| {
+        let refused = counter.clone();
+        setup::accept_loop(listener, tx, &cfg, &refused, |stream, peer, ticket| {
             let (to, cfg, counter) = (to.clone(), cfg.clone(), counter.clone());
             spawner.spawn(async move {
                 let Ok((local, _)) = setup::addrs(&stream) else {
@@ -132,7 +133,7 @@ pub(super) async fn bind(
                     // Waits while the backlog is full; if the listener is gone, dropping the
                     // parts closes the connection.
                     Ok(parts) => {
-                        let _ = to.send(parts).await;
+                        let _ = to.send(setup::with_ticket(parts, ticket)).await;
                     }
                     Err(e) => setup::reject(&counter, peer, &e),
                 }

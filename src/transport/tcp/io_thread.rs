@@ -9,6 +9,7 @@ use std::sync::{Arc, Once, Weak};
 
 use tokio::sync::{mpsc, oneshot};
 
+use super::admission::Ticket;
 use super::setup::{self, TcpAccept};
 use super::sys::{EpollStream, UringStream};
 use crate::error::Result;
@@ -34,6 +35,7 @@ enum Command {
         peer: SocketAddr,
         to: mpsc::Sender<Parts>,
         rejected: Arc<AtomicU64>,
+        ticket: Ticket,
     },
 }
 
@@ -247,7 +249,8 @@ async fn serve(engine: IoEngine, mut cmds: mpsc::Receiver<Command>, cfg: Config)
                 if reply.send(Ok((rx, local))).is_ok() {
                     tasks.spawn_local(async move {
                         let to = tx.clone();
-                        setup::accept_loop(listener, tx, &cfg, |stream, peer| {
+                        let counter = rejected.clone();
+                        setup::accept_loop(listener, tx, &cfg, &counter, |stream, peer, ticket| {
                             // Spread accepted connections over the threads.
                             let to = to.clone();
                             let rejected = rejected.clone();
@@ -262,6 +265,7 @@ async fn serve(engine: IoEngine, mut cmds: mpsc::Receiver<Command>, cfg: Config)
                                     peer,
                                     to,
                                     rejected,
+                                    ticket,
                                 };
                                 threads.pick().send(cmd).await.is_ok()
                             }
@@ -275,13 +279,14 @@ async fn serve(engine: IoEngine, mut cmds: mpsc::Receiver<Command>, cfg: Config)
                 peer,
                 to,
                 rejected,
+                ticket,
             } => {
                 tasks.spawn_local(async move {
                     match establish(engine, stream, &cfg).await {
                         Ok((parts, driver)) => {
                             // Waits while the backlog is full; fails if the listener is gone,
                             // in which case dropping the parts closes the connection.
-                            let _ = to.send(parts).await;
+                            let _ = to.send(setup::with_ticket(parts, ticket)).await;
                             driver.await;
                         }
                         Err(e) => setup::reject(&rejected, peer, &e),

@@ -21,6 +21,7 @@
 //! 16 µs); 64 B streaming ran at 3.9 and 5.9 M msgs/s; 4 MiB at 2.4-2.5 GB/s on threads and
 //! 3.0-3.5 inline.
 
+mod admission;
 mod conn;
 mod direct;
 mod inline;

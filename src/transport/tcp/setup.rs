@@ -6,11 +6,12 @@ use std::net::{Shutdown, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use socket2::SockRef;
 use tokio::sync::mpsc;
 
+use super::admission::{Admission, Ticket};
 use super::conn::{self, Conn, TcpReceiver, TcpSender};
 use super::sys::{self, Io};
 use crate::error::Result;
@@ -91,17 +92,28 @@ pub(super) async fn bind_listener(
 }
 
 /// Accepts connections until `to` closes (the listener was dropped), handing each (with its
-/// socket options set) to `adopt`.
+/// socket options set and its place taken: see [`Admission`]) to `adopt`. While the
+/// listener holds its maximum of connections it accepts nothing (they wait in the kernel's
+/// backlog); a connection from an address that holds its share is closed at once and counted
+/// in `rejected`.
 pub(super) async fn accept_loop<F, Fut>(
     listener: tokio::net::TcpListener,
     to: mpsc::Sender<Parts>,
     cfg: &Config,
+    rejected: &AtomicU64,
     mut adopt: F,
 ) where
-    F: FnMut(tokio::net::TcpStream, SocketAddr) -> Fut,
+    F: FnMut(tokio::net::TcpStream, SocketAddr, Ticket) -> Fut,
     Fut: Future<Output = bool>,
 {
+    let admission = Admission::new(cfg.max_connections, cfg.max_connections_per_peer);
+    let mut warned: Option<Instant> = None;
+    let mut refused_since_warning = 0u64;
     loop {
+        tokio::select! {
+            () = to.closed() => return,
+            () = admission.room() => {}
+        }
         let accepted = tokio::select! {
             () = to.closed() => return,
             r = listener.accept() => r,
@@ -119,10 +131,37 @@ pub(super) async fn accept_loop<F, Fut>(
             tracing::warn!(peer = %peer, "dropping connection: setting socket options: {e}");
             continue;
         }
-        if !adopt(stream, peer).await {
+        let ticket = match admission.admit(peer.ip()) {
+            Ok(t) => t,
+            Err(why) => {
+                // Closed before a byte is read; a flood is logged once a second, counted.
+                rejected.fetch_add(1, Ordering::Relaxed);
+                refused_since_warning += 1;
+                if warned.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
+                    tracing::warn!(
+                        peer = %peer,
+                        "refused {refused_since_warning} connection(s) since the last warning: {why}"
+                    );
+                    warned = Some(Instant::now());
+                    refused_since_warning = 0;
+                }
+                continue;
+            }
+        };
+        if !adopt(stream, peer, ticket).await {
             return;
         }
     }
+}
+
+/// `parts` carrying `ticket`: the place is given back when the channel's halves are gone.
+pub(super) fn with_ticket(mut parts: Parts, ticket: Ticket) -> Parts {
+    let ticket: Arc<dyn std::any::Any + Send + Sync> = Arc::new(ticket);
+    parts.keepalive = Some(match parts.keepalive.take() {
+        Some(other) => Arc::new((other, ticket)),
+        None => ticket,
+    });
+    parts
 }
 
 /// Handshake and channel halves for a connected `stream`; returns the driver to run.
@@ -189,7 +228,13 @@ impl AcceptHalf for TcpAccept {
     fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Parts>> {
         self.rx.poll_recv(cx).map(|p| match p {
             Some(mut parts) => {
-                parts.keepalive = self.keepalive.clone();
+                if let Some(machinery) = &self.keepalive {
+                    parts.keepalive = Some(match parts.keepalive.take() {
+                        // The connection's own (its admission ticket) and the listener's.
+                        Some(own) => Arc::new((own, machinery.clone())),
+                        None => machinery.clone(),
+                    });
+                }
                 Ok(parts)
             }
             None => Err(Error::new(
