@@ -345,6 +345,7 @@ for_both_engines!(
     truncated_frame,
     stall_mid_frame,
     stall_mid_large_body,
+    trickle_into_a_large_body,
     close_without_close_frame,
     unknown_frame_kind,
     oversized_metadata,
@@ -592,6 +593,8 @@ async fn body_the_host_cannot_give(engine: IoEngine) {
         .handshake_timeout(HANDSHAKE_TIMEOUT)
         .stall_timeout(STALL)
         .limits(limits)
+        // With the `rdma` feature the context checks that its pool could hold one such body.
+        .rdma_pool_bytes(Limits::MAX_BODY_CEILING)
         .build()
         .expect("context");
     let mut listener = match ctx.bind("tcp://127.0.0.1:0").await {
@@ -729,6 +732,36 @@ async fn stall_mid_large_body(engine: IoEngine) {
     frame.push(b'a');
     frame.extend_from_slice(&[7; 100]);
     stall(engine, &frame).await;
+}
+
+/// A peer trickling a byte every 50 ms into a 1 MiB body never stalls a single read for the
+/// stall timeout (300 ms here), which used to keep the connection and its buffer for as long
+/// as it liked; the frame deadline (stall timeout + bytes / `min_frame_rate`) ends it.
+async fn trickle_into_a_large_body(engine: IoEngine) {
+    let Some((_ctx, mut listener, url)) = listen(engine).await else {
+        return;
+    };
+    let mut frame = head(1, 0, 1, 0, 1 << 20, 0);
+    frame.push(b'a');
+    let start = Instant::now();
+    let (mut raw, mut ch) = established(&url, &mut listener, &frame).await;
+    let trickle = tokio::spawn(async move {
+        for _ in 0..200 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            if raw.write_all(&[7]).await.is_err() {
+                break;
+            }
+        }
+        raw
+    });
+    let at = expect_recv_error(&mut ch, ErrorKind::TimedOut, &["stalled", "min_frame_rate"]).await;
+    let took = at - start;
+    assert!(took >= STALL - Duration::from_millis(50), "{took:?}");
+    assert!(
+        took < Duration::from_secs(3),
+        "the trickle was allowed {took:?} (it lasts 10 s)"
+    );
+    drop(trickle);
 }
 
 async fn close_without_close_frame(engine: IoEngine) {

@@ -194,9 +194,21 @@ impl ContextBuilder {
     }
 
     /// How long a peer may stall in the middle of a frame before the connection is closed
-    /// with [`ErrorKind::TimedOut`]. Idle time between frames is never limited. Default 15 s.
+    /// with [`ErrorKind::TimedOut`]: the grace of the frame deadline (see
+    /// [`min_frame_rate`](Self::min_frame_rate)). Idle time between frames is never limited.
+    /// Default 15 s.
     pub fn stall_timeout(mut self, d: Duration) -> Self {
         self.cfg.stall_timeout = d;
+        self
+    }
+
+    /// The slowest a frame may arrive, in bytes per second on average since its first bytes
+    /// (`tcp://`): a frame of `b` bytes so far that began `t` ago fails with
+    /// [`ErrorKind::TimedOut`] once `t > stall_timeout + b / min_frame_rate`. A peer
+    /// trickling bytes into a large body cannot hold its buffer for ever, and a steady link
+    /// at this rate or faster never trips it. Default 256 KiB/s.
+    pub fn min_frame_rate(mut self, bytes_per_second: u64) -> Self {
+        self.cfg.min_frame_rate = bytes_per_second;
         self
     }
 
@@ -305,6 +317,9 @@ impl ContextBuilder {
         }
         if c.send_queue == 0 || c.recv_queue == 0 || c.accept_backlog == 0 {
             return bad("queue sizes and the accept backlog must be at least 1".into());
+        }
+        if c.min_frame_rate == 0 {
+            return bad("min_frame_rate must be at least 1 byte per second".into());
         }
         if c.max_connections == 0 || c.max_connections_per_peer == 0 {
             return bad("max_connections and max_connections_per_peer must be at least 1".into());

@@ -434,6 +434,7 @@ async fn read_loop<S: Io>(
     cfg: &Config,
 ) -> Result<(), LoopError> {
     let mut dec = Decoder::new(cfg.limits);
+    let mut clock = FrameClock::new(cfg);
     let batch_max = DELIVER_MAX.min(cfg.recv_queue).max(1);
     let mut batch: Vec<Message> = Vec::new();
     let mut peer_closed = false;
@@ -483,6 +484,9 @@ async fn read_loop<S: Io>(
             return drain(conn, stream, cfg).await;
         }
         let mid_frame = !dec.is_at_boundary(&src);
+        if !mid_frame {
+            clock.boundary();
+        }
         let read = async {
             if let Some((body, missing)) = dec.body_target() {
                 // A large body: read straight into its own buffer.
@@ -503,11 +507,11 @@ async fn read_loop<S: Io>(
                 res
             }
         };
+        let deadline = mid_frame.then(|| clock.deadline());
         let timed = async {
-            if mid_frame {
-                tokio::time::timeout(cfg.stall_timeout, read).await.ok()
-            } else {
-                Some(read.await)
+            match deadline {
+                Some(at) => tokio::time::timeout_at(at.into(), read).await.ok(),
+                None => Some(read.await),
             }
         };
         let res = tokio::select! {
@@ -523,18 +527,7 @@ async fn read_loop<S: Io>(
             r = timed => r,
         };
         match res {
-            None => {
-                return Err((
-                    Error::new(
-                        ErrorKind::TimedOut,
-                        format!(
-                            "peer stalled in the middle of a frame for {:?}",
-                            cfg.stall_timeout
-                        ),
-                    ),
-                    true,
-                ));
-            }
+            None => return Err((clock.expired(), true)),
             Some(Ok(0)) if mid_frame => {
                 return Err((
                     Error::new(
@@ -554,7 +547,7 @@ async fn read_loop<S: Io>(
                     false,
                 ));
             }
-            Some(Ok(_)) => {}
+            Some(Ok(n)) => clock.read(n),
             Some(Err(e)) => return Err((Error::io("reading from the peer", e), false)),
         }
     }
@@ -789,6 +782,64 @@ pub(super) fn sender_check(
         ));
     }
     Ok(())
+}
+
+/// The deadline of the frame being received. Between frames a connection may be idle for
+/// ever; once part of a frame is here, the rest must come at `min_frame_rate` on average
+/// since then, with the stall timeout to spare: a frame of `b` bytes so far that began `t`
+/// ago fails once `t > stall_timeout + b / min_frame_rate`. A peer trickling a byte now and
+/// then into a large body cannot hold its buffer (a per-read timeout let it), and a slow
+/// but steady link still gets all the time its bytes need.
+pub(super) struct FrameClock {
+    started: Option<std::time::Instant>,
+    bytes: u64,
+    grace: Duration,
+    min_rate: u64,
+}
+
+impl FrameClock {
+    pub(super) fn new(cfg: &Config) -> FrameClock {
+        FrameClock {
+            started: None,
+            bytes: 0,
+            grace: cfg.stall_timeout,
+            min_rate: cfg.min_frame_rate.max(1),
+        }
+    }
+
+    /// `n` bytes arrived.
+    pub(super) fn read(&mut self, n: usize) {
+        if self.started.is_some() {
+            self.bytes += n as u64;
+        }
+    }
+
+    /// No frame is in progress (a whole one was taken, or none has begun).
+    pub(super) fn boundary(&mut self) {
+        self.started = None;
+        self.bytes = 0;
+    }
+
+    /// When the frame in progress must have come whole (it starts now if it has not).
+    pub(super) fn deadline(&mut self) -> std::time::Instant {
+        let started = *self.started.get_or_insert_with(std::time::Instant::now);
+        let allowance = Duration::from_secs_f64(self.bytes as f64 / self.min_rate as f64);
+        started + self.grace + allowance.min(Duration::from_secs(86_400))
+    }
+
+    /// The error once the deadline passed.
+    pub(super) fn expired(&self) -> Error {
+        let waited = self.started.map(|s| s.elapsed()).unwrap_or_default();
+        Error::new(
+            ErrorKind::TimedOut,
+            format!(
+                "peer stalled in the middle of a frame: {} bytes in {waited:.1?}, slower than \
+                 the minimum of {} bytes/s after a grace of {:?} (ContextBuilder::stall_timeout, \
+                 min_frame_rate)",
+                self.bytes, self.min_rate, self.grace
+            ),
+        )
+    }
 }
 
 #[cfg(test)]

@@ -49,6 +49,7 @@ use futures_util::task::AtomicWaker;
 use socket2::SockRef;
 use tokio::net::TcpStream;
 
+use super::conn::FrameClock;
 use crate::error::Result;
 use crate::transport::{Config, RecvHalf, SendHalf};
 use crate::wire::{Batch, Control, Decoder, Frame};
@@ -291,6 +292,7 @@ pub(super) fn start(
             dec: Decoder::new(cfg.limits),
             src,
             stall: None,
+            clock: FrameClock::new(cfg),
             early: std::collections::VecDeque::new(),
             early_bytes: 0,
             end: None,
@@ -514,6 +516,8 @@ pub(super) struct ReadState {
     dec: Decoder,
     src: BytesMut,
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The deadline of the frame that is only partly there.
+    clock: FrameClock,
     /// Messages the flusher decoded while the Receiver was busy (bounded by the receive
     /// queue); the Receiver takes them first.
     early: std::collections::VecDeque<Message>,
@@ -563,7 +567,7 @@ impl ReadState {
                     )));
                 }
                 Ok(Some(Frame::Message(m))) => {
-                    self.stall = None;
+                    self.clock.boundary();
                     return Poll::Ready(Ok(Got::Message(m)));
                 }
                 Ok(Some(Frame::Control(Control::Close))) => {
@@ -619,8 +623,8 @@ impl ReadState {
                         false,
                     )));
                 }
-                Ok(_) => {
-                    self.stall = None;
+                Ok(n) => {
+                    self.clock.read(n);
                     continue;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -653,19 +657,18 @@ impl ReadState {
                 Poll::Pending => {}
             }
             if mid_frame {
-                let stall = sh.cfg.stall_timeout;
+                let deadline = tokio::time::Instant::from_std(self.clock.deadline());
                 let timer = self
                     .stall
-                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
-                if timer.as_mut().poll(cx).is_ready() {
-                    return Poll::Ready(Err((
-                        Error::new(
-                            ErrorKind::TimedOut,
-                            format!("peer stalled in the middle of a frame for {stall:?}"),
-                        ),
-                        true,
-                    )));
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                if timer.deadline() != deadline {
+                    timer.as_mut().reset(deadline);
                 }
+                if timer.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Err((self.clock.expired(), true)));
+                }
+            } else {
+                self.clock.boundary();
             }
             return Poll::Pending;
         }
