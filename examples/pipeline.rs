@@ -100,7 +100,7 @@ async fn main() -> Result<(), BoxError> {
                     let data = msg.body().as_bytes().ok_or("a host body")?;
                     let result = Message::new("ml.worker.result")?
                         .with_meta("chunk", msg.meta().get("chunk").unwrap_or("?"))?
-                        .with_meta("checksum", &format!("{:016x}", checksum(data)))?;
+                        .with_meta("checksum", format!("{:016x}", checksum(data)))?;
                     out.ready().await?.call(result).await?;
                     Ok::<_, BoxError>(None) // no reply to the splitter
                 }
@@ -133,7 +133,7 @@ async fn main() -> Result<(), BoxError> {
     let bodies: Vec<Bytes> = (0..CHUNKS).map(chunk).collect();
     for (i, body) in bodies.iter().enumerate() {
         let msg = Message::new("ml.splitter.chunk")?
-            .with_meta("chunk", &i.to_string())?
+            .with_meta("chunk", i.to_string())?
             .with_body(body.clone());
         splitter.feed(msg).await?;
     }

@@ -53,7 +53,7 @@ fn handler(
     let add = service_fn(|req: Message| async move {
         let sum = int(&req, "a")? + int(&req, "b")?;
         Ok::<_, BoxError>(Some(
-            Message::new("calc.add.reply")?.with_meta("sum", &sum.to_string())?,
+            Message::new("calc.add.reply")?.with_meta("sum", sum.to_string())?,
         ))
     });
     let echo = service_fn(|req: Message| async move {
@@ -115,7 +115,7 @@ async fn main() -> Result<(), BoxError> {
     let (_, ticks) = ticker_listener.accept().await?.split();
     tokio::spawn(async move {
         for n in 0.. {
-            let tick = Message::new("feed.tick.event")?.with_meta("n", &n.to_string())?;
+            let tick = Message::new("feed.tick.event")?.with_meta("n", n.to_string())?;
             if ticker_tx.send(tick).await.is_err() {
                 break; // the server is gone
             }

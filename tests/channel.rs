@@ -76,7 +76,7 @@ fn msg(i: u64, len: usize) -> Message {
         .collect();
     Message::new("test.seq")
         .unwrap()
-        .with_meta("i", &i.to_string())
+        .with_meta("i", i.to_string())
         .unwrap()
         .with_body(body)
 }
@@ -716,7 +716,7 @@ fn inproc_spinning_and_busy_polling_lose_nothing_and_never_hang() {
         for i in 0..N {
             let m = Message::new("t.spin")
                 .unwrap()
-                .with_meta("i", &i.to_string())
+                .with_meta("i", i.to_string())
                 .unwrap();
             tx.send(m).await.unwrap();
             while next + 6 <= i || (i + 1 == N && next < N) {

@@ -314,7 +314,7 @@ async fn serve_reads_nothing_while_the_handler_is_not_ready() {
     let (mut tx, mut rx) = c.split();
     let mut sent = 0;
     let full = loop {
-        match tx.try_send(m("req.x").with_meta("i", &sent.to_string()).unwrap()) {
+        match tx.try_send(m("req.x").with_meta("i", sent.to_string()).unwrap()) {
             Ok(()) => sent += 1,
             Err(e) => break e,
         }
@@ -355,7 +355,7 @@ async fn serve_bounds_calls_in_flight_per_channel() {
     let task = tokio::spawn(server.into_future());
     let mut ch = ctx.connect(&url).await.unwrap();
     for i in 0..5 {
-        ch.send(m("req.x").with_meta("i", &i.to_string()).unwrap())
+        ch.send(m("req.x").with_meta("i", i.to_string()).unwrap())
             .await
             .unwrap();
     }
@@ -1038,7 +1038,7 @@ fn small_queues() -> ContextBuilder {
 
 fn numbered(i: usize, body: &Bytes) -> Message {
     m("data.chunk")
-        .with_meta("i", &i.to_string())
+        .with_meta("i", i.to_string())
         .unwrap()
         .with_body(body.clone())
 }
@@ -1304,7 +1304,7 @@ async fn sender_call_without_poll_ready_hands_the_message_back() {
     let mut err = loop {
         // Deliberately no poll_ready: the queue fills and `call` must say so.
         match tx
-            .call(m("x.y").with_meta("i", &n.to_string()).unwrap())
+            .call(m("x.y").with_meta("i", n.to_string()).unwrap())
             .await
         {
             Ok(()) => n += 1,

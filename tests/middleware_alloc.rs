@@ -110,7 +110,7 @@ fn messages(n: usize) -> Vec<Message> {
         .map(|i| {
             let m = Message::new(kinds[i % kinds.len()])
                 .unwrap()
-                .with_meta("seq", &i.to_string())
+                .with_meta("seq", i.to_string())
                 .unwrap()
                 .with_meta("source", "cam0")
                 .unwrap();

@@ -47,9 +47,9 @@ fn msg(i: u64, len: usize) -> Message {
     let b = body(i, len);
     Message::new("test.rdma")
         .unwrap()
-        .with_meta("i", &i.to_string())
+        .with_meta("i", i.to_string())
         .unwrap()
-        .with_meta("sum", &fnv(&b).to_string())
+        .with_meta("sum", fnv(&b).to_string())
         .unwrap()
         .with_body(b)
 }
@@ -800,7 +800,7 @@ mod props {
                 // A queues messages while it may.
                 while next_send < sizes.len() && a.can_queue() {
                     let m = Message::new("p.t").unwrap()
-                        .with_meta("i", &next_send.to_string()).unwrap()
+                        .with_meta("i", next_send.to_string()).unwrap()
                         .with_body(body_of(next_send, sizes[next_send]));
                     if a.is_eager(&m) {
                         a.send_eager(m);

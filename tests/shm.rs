@@ -120,9 +120,9 @@ async fn duplex(ch: hyperframes::Channel, n: u64) {
             let b = body(i);
             let m = Message::new("stress.data")
                 .unwrap()
-                .with_meta("i", &i.to_string())
+                .with_meta("i", i.to_string())
                 .unwrap()
-                .with_meta("sum", &checksum(&b).to_string())
+                .with_meta("sum", checksum(&b).to_string())
                 .unwrap()
                 .with_body(b);
             tx.send(m).await.unwrap();
@@ -428,7 +428,7 @@ fn long_metadata_with_bodies_larger_than_the_arena() {
                 for i in 0..N {
                     let m = Message::new("regression.double.release")
                         .unwrap()
-                        .with_meta("i", &i.to_string())
+                        .with_meta("i", i.to_string())
                         .unwrap()
                         .with_meta("long", &long)
                         .unwrap()
@@ -491,7 +491,7 @@ fn same_sequence(got: &[u64], want: &[u64], what: &str) {
 fn numbered(i: u64, size: usize) -> Message {
     Message::new("cancel.test")
         .unwrap()
-        .with_meta("i", &i.to_string())
+        .with_meta("i", i.to_string())
         .unwrap()
         .with_body(vec![(i % 251) as u8; size])
 }

@@ -274,13 +274,37 @@ impl Meta {
                 max: Meta::MAX_ENTRIES,
             });
         }
-        let mut out = BytesMut::with_capacity(self.raw.len().max(2) + 3 + key.len() + value.len());
+        if !exists {
+            // Appending: in place when this map holds the only reference to its encoding (a
+            // map being built), so that adding N entries costs O(N), not O(N²).
+            let raw = std::mem::take(&mut self.raw);
+            let mut out = match raw.try_into_mut() {
+                Ok(mut unique) if !unique.is_empty() => {
+                    unique[..2].copy_from_slice(&(count as u16).to_le_bytes());
+                    unique
+                }
+                other => {
+                    // Shared (a received map, a clone), or empty: copy once, with room to
+                    // grow.
+                    let prev: &[u8] = match &other {
+                        Ok(b) => b,
+                        Err(b) => b,
+                    };
+                    let need = prev.len().max(2) + 3 + key.len() + value.len();
+                    let mut out = BytesMut::with_capacity(need.max(64));
+                    out.put_u16_le(count as u16);
+                    out.put_slice(prev.get(2..).unwrap_or_default());
+                    out
+                }
+            };
+            put_entry(&mut out, key, value);
+            self.raw = out.freeze();
+            return Ok(());
+        }
+        let mut out = BytesMut::with_capacity(self.raw.len() + value.len());
         out.put_u16_le(count as u16);
         for (k, v) in self.iter() {
             put_entry(&mut out, k, if k == key { value } else { v });
-        }
-        if !exists {
-            put_entry(&mut out, key, value);
         }
         self.raw = out.freeze();
         Ok(())
@@ -305,6 +329,92 @@ impl Meta {
         true
     }
 }
+
+/// A metadata value [`Message::with_meta`](crate::Message::with_meta) accepts: text (`&str`,
+/// `String`, `Cow<str>`, or a reference to one) as it is, or an integer, written in decimal
+/// without an allocation. Sealed: the list is complete.
+///
+/// ```
+/// use hyperframes::Message;
+///
+/// let frame: u64 = 12;
+/// let camera = String::from("cam0");
+/// let msg = Message::new("video.frame")?
+///     .with_meta("frame", frame)?
+///     .with_meta("offset", -3i32)?
+///     .with_meta("camera", camera)?
+///     .with_meta("codec", "av1")?;
+/// assert_eq!(msg.meta().get("frame"), Some("12"));
+/// assert_eq!(msg.meta().get("offset"), Some("-3"));
+/// # Ok::<(), hyperframes::Error>(())
+/// ```
+pub trait MetaValue: sealed::Sealed {
+    /// Calls `f` with the value as text.
+    #[doc(hidden)]
+    fn with_text<R>(&self, f: impl FnOnce(&str) -> R) -> R;
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+impl sealed::Sealed for str {}
+impl MetaValue for str {
+    fn with_text<R>(&self, f: impl FnOnce(&str) -> R) -> R {
+        f(self)
+    }
+}
+
+impl sealed::Sealed for String {}
+impl MetaValue for String {
+    fn with_text<R>(&self, f: impl FnOnce(&str) -> R) -> R {
+        f(self)
+    }
+}
+
+impl sealed::Sealed for std::borrow::Cow<'_, str> {}
+impl MetaValue for std::borrow::Cow<'_, str> {
+    fn with_text<R>(&self, f: impl FnOnce(&str) -> R) -> R {
+        f(self)
+    }
+}
+
+impl<T: MetaValue + ?Sized> sealed::Sealed for &T {}
+impl<T: MetaValue + ?Sized> MetaValue for &T {
+    fn with_text<R>(&self, f: impl FnOnce(&str) -> R) -> R {
+        (**self).with_text(f)
+    }
+}
+
+macro_rules! integer_values {
+    ($($t:ty),*) => {$(
+        impl sealed::Sealed for $t {}
+        impl MetaValue for $t {
+            fn with_text<R>(&self, f: impl FnOnce(&str) -> R) -> R {
+                // Decimal digits from the end of a stack buffer: 20 digits and a sign at most.
+                let mut buf = [0u8; 21];
+                let mut at = buf.len();
+                let negative = (*self as i128) < 0;
+                let mut n = (*self as i128).unsigned_abs();
+                loop {
+                    at -= 1;
+                    buf[at] = b'0' + (n % 10) as u8;
+                    n /= 10;
+                    if n == 0 {
+                        break;
+                    }
+                }
+                if negative {
+                    at -= 1;
+                    buf[at] = b'-';
+                }
+                f(std::str::from_utf8(&buf[at..]).expect("ASCII digits"))
+            }
+        }
+    )*};
+}
+
+integer_values!(u8, u16, u32, u64, usize, i8, i16, i32, i64, isize);
 
 fn put_entry(out: &mut BytesMut, key: &str, value: &str) {
     out.put_u8(key.len() as u8);
@@ -373,6 +483,54 @@ impl<K: AsRef<str>, V: AsRef<str>> TryFrom<&[(K, V)]> for Meta {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn integers_are_written_in_decimal() {
+        fn text(v: impl MetaValue) -> String {
+            v.with_text(str::to_owned)
+        }
+        assert_eq!(text(0u8), "0");
+        assert_eq!(text(u64::MAX), u64::MAX.to_string());
+        assert_eq!(text(i64::MIN), i64::MIN.to_string());
+        assert_eq!(text(-7i8), "-7");
+        assert_eq!(text(1_000usize), "1000");
+        assert_eq!(text("x"), "x");
+        assert_eq!(text(String::from("y")), "y");
+    }
+
+    /// Appending grows the map's own encoding in place (the allocation moves only when it
+    /// doubles), and never writes into an encoding another map shares.
+    #[test]
+    fn appending_is_in_place_and_never_touches_a_shared_encoding() {
+        let mut m = Meta::new();
+        let mut moves = 0;
+        let mut last = std::ptr::null();
+        for i in 0..1000 {
+            m.insert(&format!("k{i}"), &i.to_string()).unwrap();
+            if m.as_wire().as_ptr() != last {
+                moves += 1;
+                last = m.as_wire().as_ptr();
+            }
+        }
+        assert!(
+            moves < 20,
+            "the encoding moved {moves} times for 1000 appends"
+        );
+        assert_eq!(m.len(), 1000);
+        assert_eq!(m.get("k999"), Some("999"));
+        assert_eq!(m.iter().nth(500), Some(("k500", "500")));
+
+        let snapshot = m.clone();
+        let before = snapshot.as_wire().to_vec();
+        m.insert("late", "1").unwrap();
+        assert_eq!(snapshot.as_wire(), &before[..], "the clone saw the append");
+        assert_eq!((snapshot.len(), m.len()), (1000, 1001));
+        let mut from_clone = snapshot.clone();
+        from_clone.insert("other", "2").unwrap();
+        assert_eq!(m.get("other"), None);
+        assert_eq!(from_clone.get("late"), None);
+        assert_eq!(snapshot.as_wire(), &before[..]);
+    }
 
     #[test]
     fn insert_get_replace_remove_keep_order() {

@@ -21,7 +21,7 @@ pub use body::{Body, BodyMut, Location};
 #[cfg(any(feature = "shm", feature = "rdma"))]
 pub(crate) use body::{LeaseTag, LentMut};
 pub use kind::{IntoMsgType, InvalidType, MsgType};
-pub use meta::{InvalidMeta, Iter as MetaIter, Meta};
+pub use meta::{InvalidMeta, Iter as MetaIter, Meta, MetaValue};
 
 use crate::error::Result;
 
@@ -129,12 +129,14 @@ impl Message {
         }
     }
 
-    /// Adds (or replaces) a metadata entry.
+    /// Adds (or replaces) a metadata entry. The value is text (`&str`, `String`) or an
+    /// integer, written in decimal (see [`MetaValue`]). Adding entries one after another
+    /// appends to the map's encoding in place: N entries cost O(N).
     ///
     /// Fails with [`ErrorKind::InvalidMeta`](crate::ErrorKind::InvalidMeta) when the key or
     /// value is malformed. The per-channel limits on entries and bytes are checked at send.
-    pub fn with_meta(mut self, key: &str, value: &str) -> Result<Message> {
-        self.meta.insert(key, value)?;
+    pub fn with_meta(mut self, key: &str, value: impl MetaValue) -> Result<Message> {
+        value.with_text(|value| self.meta.insert(key, value))?;
         Ok(self)
     }
 

@@ -622,7 +622,7 @@ mod tests {
                     Poll::Ready(()) => {
                         let m = Message::new("t")
                             .unwrap()
-                            .with_meta("i", &i.to_string())
+                            .with_meta("i", i.to_string())
                             .unwrap();
                         s.stage(m);
                         if i % 3 == 0 {

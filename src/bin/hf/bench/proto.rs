@@ -373,7 +373,7 @@ struct PeerResult {
 async fn finish(ch: &mut Channel, sent: u64) -> Result<PeerResult, Failed> {
     let end = Message::new(END)
         .map_err(lost)?
-        .with_meta("sent", &sent.to_string())
+        .with_meta("sent", sent)
         .map_err(lost)?;
     ch.send(end).await.map_err(lost)?;
     let m = expect(ch, RESULT).await?;
@@ -449,7 +449,7 @@ pub(crate) async fn run_point(
     let start = Message::new(START)
         .and_then(|m| m.with_meta("pattern", pattern.as_str()))
         .and_then(|m| m.with_meta("verify", if verify { "1" } else { "0" }))
-        .and_then(|m| m.with_meta("ms", &s.duration.as_millis().to_string()))
+        .and_then(|m| m.with_meta("ms", s.duration.as_millis().to_string()))
         .map_err(lost)?;
     ch.send(start).await.map_err(lost)?;
     expect(ch, GO).await?;
