@@ -148,7 +148,7 @@ fn reply() -> Message {
 async fn pair(ctx: &Context) -> (hyperframes::Channel, hyperframes::Channel) {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let url = format!(
-        "inproc://bench-rr-{}",
+        "inproc://bench-{}",
         N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     );
     let mut l = ctx.bind(&url).await.unwrap();
@@ -206,16 +206,10 @@ async fn layered_receiver(mut rx: Receiver, acks: mpsc::UnboundedSender<u64>) {
 }
 
 async fn channel(layered_rx: bool) -> (Context, Sender, mpsc::UnboundedReceiver<u64>) {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let url = format!(
-        "inproc://bench-{}",
-        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    );
     let ctx = Context::new();
-    let mut l = ctx.bind(&url).await.unwrap();
-    let (c, s) = tokio::join!(ctx.connect(&url), l.accept());
-    let (tx, _) = c.unwrap().split();
-    let (_, rx) = s.unwrap().split();
+    let (c, s) = pair(&ctx).await;
+    let (tx, _) = c.split();
+    let (_, rx) = s.split();
     let (ack_tx, ack_rx) = mpsc::unbounded_channel();
     if layered_rx {
         tokio::spawn(layered_receiver(rx, ack_tx));
@@ -234,11 +228,8 @@ where
     S: Service<Message, Response = ()>,
     S::Error: std::fmt::Debug,
 {
-    let msg = message();
     let start = Instant::now();
-    for _ in 0..n {
-        svc.ready().await.unwrap().call(msg.clone()).await.unwrap();
-    }
+    alone(svc, n).await;
     svc.ready().await.unwrap().call(end()).await.unwrap();
     assert_eq!(acks.recv().await, Some(n));
     start.elapsed()

@@ -8,7 +8,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use hyperframes::{
-    Channel, Context, ErrorKind, Flags, Header, IoEngine, Limits, Listener, Message,
+    Channel, Context, ContextBuilder, ErrorKind, Flags, Header, IoEngine, Limits, Listener, Message,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -24,13 +24,16 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(1);
 // Helpers
 // ---------------------------------------------------------------------------------------
 
-fn context(engine: IoEngine) -> Context {
+/// The tests' context builder: `engine`, short handshake and stall timeouts.
+fn builder(engine: IoEngine) -> ContextBuilder {
     Context::builder()
         .io_engine(engine)
         .handshake_timeout(HANDSHAKE_TIMEOUT)
         .stall_timeout(STALL)
-        .build()
-        .expect("context")
+}
+
+fn context(engine: IoEngine) -> Context {
+    builder(engine).build().expect("context")
 }
 
 async fn guard<T>(what: &str, fut: impl Future<Output = T>) -> T {
@@ -43,7 +46,12 @@ async fn guard<T>(what: &str, fut: impl Future<Output = T>) -> T {
 /// A context and a listener on a free port, or `None` when the engine is io_uring and this
 /// host refuses it (the test is then skipped, saying so).
 async fn listen(engine: IoEngine) -> Option<(Context, Listener, String)> {
-    let ctx = context(engine);
+    listen_with(engine, builder(engine)).await
+}
+
+/// [`listen`] with a context built by `b` (whose engine is `engine`).
+async fn listen_with(engine: IoEngine, b: ContextBuilder) -> Option<(Context, Listener, String)> {
+    let ctx = b.build().expect("context");
     match ctx.bind("tcp://127.0.0.1:0").await {
         Ok(l) => {
             assert_eq!(ctx.io_engine(), Some(engine));
@@ -588,21 +596,13 @@ async fn body_the_host_cannot_give(engine: IoEngine) {
     }
     let mut limits = Limits::default();
     limits.max_body = Limits::MAX_BODY_CEILING;
-    let ctx = Context::builder()
-        .io_engine(engine)
-        .handshake_timeout(HANDSHAKE_TIMEOUT)
-        .stall_timeout(STALL)
+    let b = builder(engine)
         .limits(limits)
         // With the `rdma` feature the context checks that its pool could hold one such body.
-        .rdma_pool_bytes(Limits::MAX_BODY_CEILING)
-        .build()
-        .expect("context");
-    let mut listener = match ctx.bind("tcp://127.0.0.1:0").await {
-        Ok(l) => l,
-        Err(e) if engine == IoEngine::Uring && e.kind() == ErrorKind::Unavailable => return,
-        Err(e) => panic!("bind: {e}"),
+        .rdma_pool_bytes(Limits::MAX_BODY_CEILING);
+    let Some((ctx, mut listener, url)) = listen_with(engine, b).await else {
+        return;
     };
-    let url = listener.local_url().to_owned();
     let mut bytes = good_handshake();
     bytes.extend_from_slice(&head(1, 0, 1, 0, Limits::MAX_BODY_CEILING, 0));
     bytes.push(b't');
@@ -630,20 +630,13 @@ async fn connect_from(from: &str, url: &str) -> TcpStream {
 /// more from it is closed at once and counted; another address still gets in; a listener
 /// holding its maximum accepts nothing more until a place comes back.
 async fn connection_limits_hold_a_flood_back(engine: IoEngine) {
-    let ctx = Context::builder()
-        .io_engine(engine)
+    let b = builder(engine)
         .handshake_timeout(GUARD) // silent peers keep their places for the whole test
-        .stall_timeout(STALL)
         .max_connections(6)
-        .max_connections_per_peer(4)
-        .build()
-        .expect("context");
-    let mut listener = match ctx.bind("tcp://127.0.0.1:0").await {
-        Ok(l) => l,
-        Err(e) if engine == IoEngine::Uring && e.kind() == ErrorKind::Unavailable => return,
-        Err(e) => panic!("bind: {e}"),
+        .max_connections_per_peer(4);
+    let Some((_ctx, mut listener, url)) = listen_with(engine, b).await else {
+        return;
     };
-    let url = listener.local_url().to_owned();
     let limits = Limits::default();
     let mut silent = Vec::new();
     for _ in 0..4 {
