@@ -232,6 +232,16 @@ pub(crate) struct Parts {
     pub(crate) keepalive: Option<Arc<dyn Any + Send + Sync>>,
 }
 
+impl Parts {
+    /// Adds `what` to what the channel keeps alive (and drops with its last half).
+    pub(crate) fn keep_alive(&mut self, what: Arc<dyn Any + Send + Sync>) {
+        self.keepalive = Some(match self.keepalive.take() {
+            Some(held) => Arc::new((held, what)),
+            None => what,
+        });
+    }
+}
+
 /// The transports of one context, with their per-context state.
 pub(crate) struct Transports {
     cfg: Config,

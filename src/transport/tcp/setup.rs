@@ -156,11 +156,7 @@ pub(super) async fn accept_loop<F, Fut>(
 
 /// `parts` carrying `ticket`: the place is given back when the channel's halves are gone.
 pub(super) fn with_ticket(mut parts: Parts, ticket: Ticket) -> Parts {
-    let ticket: Arc<dyn std::any::Any + Send + Sync> = Arc::new(ticket);
-    parts.keepalive = Some(match parts.keepalive.take() {
-        Some(other) => Arc::new((other, ticket)),
-        None => ticket,
-    });
+    parts.keep_alive(Arc::new(ticket));
     parts
 }
 
@@ -229,11 +225,8 @@ impl AcceptHalf for TcpAccept {
         self.rx.poll_recv(cx).map(|p| match p {
             Some(mut parts) => {
                 if let Some(machinery) = &self.keepalive {
-                    parts.keepalive = Some(match parts.keepalive.take() {
-                        // The connection's own (its admission ticket) and the listener's.
-                        Some(own) => Arc::new((own, machinery.clone())),
-                        None => machinery.clone(),
-                    });
+                    // Beside the connection's own (its admission ticket).
+                    parts.keep_alive(machinery.clone());
                 }
                 Ok(parts)
             }
