@@ -232,6 +232,7 @@ pub(crate) struct Parts {
     pub(crate) keepalive: Option<Arc<dyn Any + Send + Sync>>,
 }
 
+#[cfg(feature = "tcp")] // the only transport that adds to it
 impl Parts {
     /// Adds `what` to what the channel keeps alive (and drops with its last half).
     pub(crate) fn keep_alive(&mut self, what: Arc<dyn Any + Send + Sync>) {
