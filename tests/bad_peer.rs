@@ -184,17 +184,29 @@ fn parse_frames(mut b: &[u8]) -> Vec<RawFrame> {
     out
 }
 
-/// Checks that `got` starts with the handshake a context with `limits` sends; returns the rest.
+/// The length of the handshake we send: the version-1 fields and the heartbeat interval.
+const OUR_HANDSHAKE_LEN: usize = 40;
+
+/// Checks that `got` starts with the handshake a context with `limits` and the default
+/// heartbeat sends; returns the rest. (The raw peers of these tests send 32-byte handshakes
+/// without capabilities, as a peer that predates heartbeats does: they are sent none.)
 fn strip_our_handshake<'a>(got: &'a [u8], limits: &Limits) -> &'a [u8] {
-    let want = handshake(
+    let mut want = handshake(
         1,
         limits.max_body,
         limits.max_meta_bytes,
         limits.max_meta_entries,
     );
-    assert!(got.len() >= 32, "no handshake from us: {got:?}");
-    assert_eq!(&got[..32], &want[..], "our handshake");
-    &got[32..]
+    want[10] = OUR_HANDSHAKE_LEN as u8;
+    want[12] = 1; // capability HEARTBEAT
+    want.extend_from_slice(&1000u32.to_le_bytes()); // heartbeat_ms, the default
+    want.extend_from_slice(&[0; 4]);
+    assert!(
+        got.len() >= OUR_HANDSHAKE_LEN,
+        "no handshake from us: {got:?}"
+    );
+    assert_eq!(&got[..OUR_HANDSHAKE_LEN], &want[..], "our handshake");
+    &got[OUR_HANDSHAKE_LEN..]
 }
 
 /// Reads until EOF. A reset instead of a FIN fails the test.
@@ -271,7 +283,7 @@ async fn established(url: &str, listener: &mut Listener, frames: &[u8]) -> (TcpS
     let mut raw = raw_peer(url, &bytes).await;
     let ch = guard("accept", listener.accept()).await.expect("accept");
     // Our handshake came first.
-    let hs = read_exact(&mut raw, 32).await;
+    let hs = read_exact(&mut raw, OUR_HANDSHAKE_LEN).await;
     strip_our_handshake(&hs, &Limits::default());
     (raw, ch)
 }
@@ -360,6 +372,7 @@ for_both_engines!(
     peer_error_frame,
     peer_stop_frame,
     good_raw_peer_matches_the_documented_layout,
+    heartbeats_on_the_wire,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -529,7 +542,7 @@ async fn client_against_a_server_of_another_version(engine: IoEngine) {
         return;
     };
     // The server, a hyperframes peer of another version, is told why.
-    let frames = parse_frames(&got[32..]);
+    let frames = parse_frames(strip_our_handshake(&got, &l));
     assert_eq!(frames.len(), 1, "{frames:?}");
     assert!(frames[0].reason().contains("version"), "{frames:?}");
 }
@@ -608,7 +621,7 @@ async fn body_the_host_cannot_give(engine: IoEngine) {
     bytes.push(b't');
     let mut raw = raw_peer(&url, &bytes).await;
     let mut ch = guard("accept", listener.accept()).await.expect("accept");
-    let hs = read_exact(&mut raw, 32).await;
+    let hs = read_exact(&mut raw, OUR_HANDSHAKE_LEN).await;
     strip_our_handshake(&hs, &limits);
     expect_recv_error(&mut ch, ErrorKind::Protocol, &["no memory"]).await;
     expect_error_frame_then_eof(&mut raw, "no memory").await;
@@ -641,7 +654,7 @@ async fn connection_limits_hold_a_flood_back(engine: IoEngine) {
     let mut silent = Vec::new();
     for _ in 0..4 {
         let mut s = connect_from("127.0.0.1", &url).await;
-        strip_our_handshake(&read_exact(&mut s, 32).await, &limits);
+        strip_our_handshake(&read_exact(&mut s, OUR_HANDSHAKE_LEN).await, &limits);
         silent.push(s);
     }
     let mut fifth = connect_from("127.0.0.1", &url).await;
@@ -651,10 +664,10 @@ async fn connection_limits_hold_a_flood_back(engine: IoEngine) {
     // Another address is let in, and its channel works.
     let mut good = connect_from("127.0.0.2", &url).await;
     good.write_all(&good_handshake()).await.unwrap();
-    strip_our_handshake(&read_exact(&mut good, 32).await, &limits);
+    strip_our_handshake(&read_exact(&mut good, OUR_HANDSHAKE_LEN).await, &limits);
     let _ch = guard("accept", listener.accept()).await.expect("accept");
     let mut sixth = connect_from("127.0.0.2", &url).await;
-    strip_our_handshake(&read_exact(&mut sixth, 32).await, &limits);
+    strip_our_handshake(&read_exact(&mut sixth, OUR_HANDSHAKE_LEN).await, &limits);
 
     // Full: a seventh connection waits in the backlog, unanswered, until a place frees.
     let mut seventh = connect_from("127.0.0.3", &url).await;
@@ -667,7 +680,7 @@ async fn connection_limits_hold_a_flood_back(engine: IoEngine) {
         "a full listener answered"
     );
     drop(silent.pop());
-    strip_our_handshake(&read_exact(&mut seventh, 32).await, &limits);
+    strip_our_handshake(&read_exact(&mut seventh, OUR_HANDSHAKE_LEN).await, &limits);
     let _ch7 = guard("accept", listener.accept()).await.expect("accept");
     // The fifth, and the silent one that hung up in its handshake.
     wait_rejected(&listener, 2).await;
@@ -955,4 +968,73 @@ async fn good_raw_peer_matches_the_documented_layout(engine: IoEngine) {
     // Both directions are finished: our side shuts down and the raw peer reads EOF.
     drop(ch);
     assert!(read_to_eof(&mut raw).await.is_empty());
+}
+
+// ---------------------------------------------------------------------------------------
+// Heartbeats
+// ---------------------------------------------------------------------------------------
+
+/// A raw peer whose 40-byte handshake understands heartbeats and promises one every 50 ms,
+/// and that then says nothing: while idle we send it `HEARTBEAT` frames (kind 5, every field
+/// zero), then declare it lost (`ConnectionLost` naming the silence, an ERROR frame saying
+/// so, EOF). A peer with the older 32-byte handshake, idle as long, is sent nothing and kept.
+async fn heartbeats_on_the_wire(engine: IoEngine) {
+    let beat = Duration::from_millis(50);
+    let b = builder(engine).heartbeat(Some(beat), 4);
+    let Some((_ctx, mut listener, url)) = listen_with(engine, b).await else {
+        return;
+    };
+    // The older peer first: idle for far longer than the limit.
+    let mut old = raw_peer(&url, &good_handshake()).await;
+    let mut old_ch = guard("accept", listener.accept()).await.expect("accept");
+    read_exact(&mut old, OUR_HANDSHAKE_LEN).await;
+
+    let mut hs = good_handshake();
+    hs[10] = 40;
+    hs[12] = 1; // HEARTBEAT
+    hs.extend_from_slice(&50u32.to_le_bytes());
+    hs.extend_from_slice(&[0; 4]);
+    let mut raw = raw_peer(&url, &hs).await;
+    let mut ch = guard("accept", listener.accept()).await.expect("accept");
+    let ours = read_exact(&mut raw, OUR_HANDSHAKE_LEN).await;
+    assert_eq!(&ours[32..36], &50u32.to_le_bytes(), "our interval");
+
+    let start = Instant::now();
+    let at = expect_recv_error(&mut ch, ErrorKind::ConnectionLost, &["silent for"]).await;
+    let took = at - start;
+    assert!(took >= beat * 4, "lost after {took:?}, before 4 intervals");
+    let frames = parse_frames(&read_to_eof(&mut raw).await);
+    let (last, beats) = frames.split_last().expect("frames");
+    assert!(beats.len() >= 2, "heartbeats while idle: {frames:?}");
+    for f in beats {
+        assert_eq!(
+            (
+                f.kind,
+                f.flags,
+                f.reserved,
+                f.correlation,
+                f.ty.len(),
+                f.meta.len(),
+                f.body.len()
+            ),
+            (5, 0, 0, 0, 0, 0, 0),
+            "a HEARTBEAT carries nothing"
+        );
+    }
+    assert_eq!(last.kind, 4, "then ERROR: {frames:?}");
+    assert!(last.reason().contains("silent"), "{:?}", last.reason());
+
+    // The older peer: nothing sent to it, and its channel still works.
+    let mut one = [0u8; 1];
+    assert!(
+        tokio::time::timeout(beat * 2, old.read(&mut one))
+            .await
+            .is_err(),
+        "nothing is sent to a peer that does not understand heartbeats"
+    );
+    old.write_all(&message_frame("still.here", &[], b"", 0, 0))
+        .await
+        .unwrap();
+    let m = guard("recv", old_ch.recv()).await.unwrap().unwrap();
+    assert_eq!(m.kind(), "still.here");
 }

@@ -619,6 +619,7 @@ proptest! {
         max_meta_bytes in any::<u32>(),
         max_meta_entries in any::<u16>(),
         caps in any::<u32>(),
+        heartbeat_ms in any::<u32>(),
         extra in prop::collection::vec(any::<u8>(), 0..=(1024 - HANDSHAKE_LEN)),
         trailing in prop::collection::vec(any::<u8>(), 0..64),
     ) {
@@ -626,7 +627,12 @@ proptest! {
         limits.max_body = max_body;
         limits.max_meta_bytes = max_meta_bytes;
         limits.max_meta_entries = max_meta_entries;
-        let hs = Handshake { version: VERSION, capabilities: Capabilities(caps), limits };
+        let hs = Handshake {
+            version: VERSION,
+            capabilities: Capabilities(caps),
+            limits,
+            heartbeat_ms,
+        };
         let mut v = Vec::new();
         hs.encode(&mut v);
         prop_assert_eq!(v.len(), HANDSHAKE_LEN);
@@ -660,18 +666,21 @@ fn handshake_layout_matches_the_specification() {
         version: VERSION,
         capabilities: Capabilities(0xAABB_CCDD),
         limits: l,
+        heartbeat_ms: 0x7788_99AA,
     };
     let mut v = Vec::new();
     hs.encode(&mut v);
     let mut want = Vec::new();
     want.extend_from_slice(b"HYPERFRM");
     want.extend_from_slice(&1u16.to_le_bytes());
-    want.extend_from_slice(&32u16.to_le_bytes());
+    want.extend_from_slice(&40u16.to_le_bytes());
     want.extend_from_slice(&0xAABB_CCDDu32.to_le_bytes());
     want.extend_from_slice(&l.max_body.to_le_bytes());
     want.extend_from_slice(&0x1122_3344u32.to_le_bytes());
     want.extend_from_slice(&0x5566u16.to_le_bytes());
     want.extend_from_slice(&[0, 0]);
+    want.extend_from_slice(&0x7788_99AAu32.to_le_bytes());
+    want.extend_from_slice(&[0, 0, 0, 0]);
     assert_eq!(v, want);
 }
 

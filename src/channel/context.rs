@@ -219,6 +219,33 @@ impl ContextBuilder {
         self
     }
 
+    /// Heartbeats (`tcp://`, `shm://`): each side is heard from at least every `interval`
+    /// while it can write (a 24-byte `HEARTBEAT` frame on tcp, a counter in the shared segment
+    /// on shm, when it has nothing else to send), and a peer that promised so is declared lost
+    /// after `misses` of its intervals with nothing heard: both halves fail with
+    /// [`ErrorKind::ConnectionLost`] naming the peer and how long it was silent. Silence
+    /// counts only while this side reads, so a receiver that stops reading (backpressure)
+    /// never fails its peer for it.
+    ///
+    /// This is what finds a peer that is alive to the kernel but not running: stopped
+    /// (SIGSTOP, a debugger), deadlocked, or with its runtime blocked; TCP keepalive and a
+    /// closed socket only find a dead host or process. `None` turns it off both ways (we send
+    /// none and watch for none); each side decides for itself, from what the other
+    /// announced in its handshake.
+    ///
+    /// Default: every 1 s, lost after 10 (10 to 10.5 s): a peer must stall a whole 10 s to
+    /// be dropped, longer than a long garbage-collection or swap pause, while a frozen peer is
+    /// found about as fast as keepalive finds a dead host; it costs one small write per idle
+    /// second per direction. With inline tcp (`IoEngine::Inline`) heartbeats come from the
+    /// connection's task on your runtime: a task that blocks that runtime for longer than
+    /// the limit looks frozen to the peer, as it is. Misses at least 2; the interval 1 ms
+    /// to 1 h.
+    pub fn heartbeat(mut self, interval: Option<Duration>, misses: u32) -> Self {
+        self.cfg.heartbeat = interval;
+        self.cfg.heartbeat_misses = misses;
+        self
+    }
+
     /// How long I/O threads keep flushing closed channels after the last user of the
     /// context is gone. Default 5 s.
     pub fn linger(mut self, d: Duration) -> Self {
@@ -345,6 +372,16 @@ impl ContextBuilder {
         if c.handshake_timeout.is_zero() || c.connect_timeout.is_zero() || c.stall_timeout.is_zero()
         {
             return bad("timeouts must be longer than zero".into());
+        }
+        if let Some(d) = c.heartbeat
+            && !(Duration::from_millis(1)..=Duration::from_secs(3600)).contains(&d)
+        {
+            return bad(format!(
+                "heartbeat interval {d:?}: use 1 ms to 1 h, or None"
+            ));
+        }
+        if c.heartbeat_misses < 2 {
+            return bad("heartbeat misses must be at least 2".into());
         }
         #[cfg(feature = "rdma")]
         {

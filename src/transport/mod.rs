@@ -15,6 +15,8 @@ use crate::url::Endpoint;
 use crate::wire::Limits;
 use crate::{BodyMut, Error, ErrorKind, Message};
 
+#[cfg(any(feature = "tcp", feature = "shm"))]
+pub(crate) mod heartbeat;
 #[cfg(feature = "inproc")]
 mod inproc;
 #[cfg(any(feature = "inproc", feature = "rdma"))]
@@ -139,6 +141,10 @@ pub(crate) struct Config {
     pub(crate) stall_timeout: Duration,
     pub(crate) min_frame_rate: u64,
     pub(crate) keepalive: Option<Duration>,
+    /// Our heartbeat interval (`None`: none sent, none expected) and how many of the peer's
+    /// intervals of silence make it lost.
+    pub(crate) heartbeat: Option<Duration>,
+    pub(crate) heartbeat_misses: u32,
     pub(crate) linger: Duration,
     pub(crate) busy_poll: bool,
     pub(crate) shm_ring_entries: u32,
@@ -170,6 +176,8 @@ impl Default for Config {
             stall_timeout: Duration::from_secs(15),
             min_frame_rate: 256 << 10,
             keepalive: Some(Duration::from_secs(10)),
+            heartbeat: Some(Duration::from_secs(1)),
+            heartbeat_misses: 10,
             linger: Duration::from_secs(5),
             busy_poll: false,
             shm_ring_entries: 4096,

@@ -75,6 +75,7 @@ impl Batch {
         let (kind, reason): (FrameKind, &[u8]) = match control {
             Control::Close => (FrameKind::Close, &[]),
             Control::Stop => (FrameKind::Stop, &[]),
+            Control::Heartbeat => (FrameKind::Heartbeat, &[]),
             Control::Error(r) => {
                 let mut end = r.len().min(MAX_ERROR_REASON);
                 while !r.is_char_boundary(end) {

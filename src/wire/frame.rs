@@ -22,6 +22,9 @@ pub enum FrameKind {
     Stop = 3,
     /// The sender reports a protocol violation and closes.
     Error = 4,
+    /// The sender is alive; it has had nothing else to send for a while. Sent only to a peer
+    /// whose handshake has [`Capabilities::HEARTBEAT`](super::Capabilities::HEARTBEAT).
+    Heartbeat = 5,
 }
 
 /// The decoded 24-byte header, already checked against the decoder's limits.
@@ -103,6 +106,7 @@ impl FrameHead {
             2 => FrameKind::Close,
             3 => FrameKind::Stop,
             4 => FrameKind::Error,
+            5 => FrameKind::Heartbeat,
             k => return Err(FrameError::BadKind(k)),
         };
         if b[3] != 0 {
@@ -214,6 +218,8 @@ pub enum Control {
     Stop,
     /// See [`FrameKind::Error`]; the reason is cut to [`MAX_ERROR_REASON`] bytes.
     Error(String),
+    /// See [`FrameKind::Heartbeat`].
+    Heartbeat,
 }
 
 /// A decoded frame.
@@ -409,12 +415,12 @@ impl Decoder {
                     },
                 )))
             }
-            FrameKind::Close | FrameKind::Stop => {
+            FrameKind::Close | FrameKind::Stop | FrameKind::Heartbeat => {
                 src.advance(FRAME_HEAD_LEN);
-                Ok(Frame::Control(if head.kind == FrameKind::Close {
-                    Control::Close
-                } else {
-                    Control::Stop
+                Ok(Frame::Control(match head.kind {
+                    FrameKind::Close => Control::Close,
+                    FrameKind::Stop => Control::Stop,
+                    _ => Control::Heartbeat,
                 }))
             }
             FrameKind::Error => {
@@ -606,13 +612,27 @@ mod tests {
         src.extend_from_slice(&head(3, 0, 0, 0, 0, 0));
         src.extend_from_slice(&head(4, 0, 0, 0, 3, 0));
         src.extend_from_slice(b"bad");
+        src.extend_from_slice(&head(5, 0, 0, 0, 0, 0));
         src.extend_from_slice(&head(2, 0, 0, 0, 0, 0));
         assert_eq!(d.decode(&mut src), Ok(Some(Frame::Control(Control::Stop))));
         assert_eq!(
             d.decode(&mut src),
             Ok(Some(Frame::Control(Control::Error("bad".into()))))
         );
+        assert_eq!(
+            d.decode(&mut src),
+            Ok(Some(Frame::Control(Control::Heartbeat)))
+        );
         assert_eq!(d.decode(&mut src), Ok(Some(Frame::Control(Control::Close))));
         assert_eq!(d.decode(&mut src), Ok(None));
+        // A heartbeat carries nothing.
+        let mut src = BytesMut::from(&head(5, 0, 0, 0, 1, 0)[..]);
+        assert_eq!(
+            Decoder::new(limits()).decode(&mut src),
+            Err(FrameError::BadControl(
+                FrameKind::Heartbeat,
+                "body too long"
+            ))
+        );
     }
 }

@@ -1,4 +1,4 @@
-//! The handshake: magic, version, capabilities, receive limits.
+//! The handshake: magic, version, capabilities, receive limits, heartbeat interval.
 
 use bytes::BufMut;
 
@@ -8,19 +8,31 @@ use super::Limits;
 pub const MAGIC: [u8; 8] = *b"HYPERFRM";
 /// The protocol version this crate speaks.
 pub const VERSION: u16 = 1;
-/// The length of a version-1 handshake.
-pub const HANDSHAKE_LEN: usize = 32;
+/// The length of the handshake this crate writes (the version-1 fields and the heartbeat
+/// interval).
+pub const HANDSHAKE_LEN: usize = 40;
+/// The shortest handshake a reader accepts: the version-1 fields alone (a peer that predates
+/// the heartbeat interval).
+pub const MIN_HANDSHAKE_LEN: usize = 32;
 /// The longest handshake a reader accepts (later versions may append fields).
 const MAX_HANDSHAKE_LEN: usize = 1024;
 
-/// Optional protocol features, as a bit set. None are defined in version 1.
+/// Optional protocol features, as a bit set.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Capabilities(pub u32);
 
 impl Capabilities {
+    /// Bit 0: this side understands `HEARTBEAT` frames, so the peer may send them.
+    pub const HEARTBEAT: Capabilities = Capabilities(1);
+
     /// The features both sides offer.
     pub fn intersect(self, other: Capabilities) -> Capabilities {
         Capabilities(self.0 & other.0)
+    }
+
+    /// Whether every feature of `other` is offered.
+    pub fn contains(self, other: Capabilities) -> bool {
+        self.0 & other.0 == other.0
     }
 }
 
@@ -33,6 +45,10 @@ pub struct Handshake {
     pub capabilities: Capabilities,
     /// What this side accepts.
     pub limits: Limits,
+    /// The longest this side stays silent, in milliseconds, while it can write: when it has
+    /// had nothing else to send for this long it sends a `HEARTBEAT` (if the peer
+    /// understands them). 0: it sends none, and the peer must not expect any.
+    pub heartbeat_ms: u32,
 }
 
 /// A handshake that cannot be accepted.
@@ -60,7 +76,7 @@ pub enum HandshakeError {
         ours: u16,
     },
     /// The length field is out of range.
-    #[error("handshake length {0} is outside {HANDSHAKE_LEN}..={MAX_HANDSHAKE_LEN}")]
+    #[error("handshake length {0} is outside {MIN_HANDSHAKE_LEN}..={MAX_HANDSHAKE_LEN}")]
     BadLength(u16),
     /// A reserved field is not zero.
     #[error("reserved handshake field is {0:#06x}, not 0")]
@@ -71,13 +87,33 @@ pub enum HandshakeError {
 }
 
 impl Handshake {
-    /// A version-1 handshake advertising `limits`.
+    /// A version-1 handshake advertising `limits`, understanding heartbeats and sending none
+    /// (see [`with_heartbeat`](Self::with_heartbeat)).
     pub fn new(limits: Limits) -> Handshake {
         Handshake {
             version: VERSION,
-            capabilities: Capabilities::default(),
+            capabilities: Capabilities::HEARTBEAT,
             limits,
+            heartbeat_ms: 0,
         }
+    }
+
+    /// Announces that this side sends a heartbeat whenever it has been silent for
+    /// `interval` (rounded up to a millisecond; `None`: it sends none).
+    pub fn with_heartbeat(mut self, interval: Option<std::time::Duration>) -> Handshake {
+        self.heartbeat_ms = interval.map_or(0, |d| {
+            u32::try_from(d.as_micros().div_ceil(1000))
+                .unwrap_or(u32::MAX)
+                .max(1)
+        });
+        self
+    }
+
+    /// How often the peer that sent this handshake promised to be heard from, if at all:
+    /// only when it announced an interval and understands heartbeats.
+    pub fn heartbeat(&self) -> Option<std::time::Duration> {
+        (self.heartbeat_ms > 0 && self.capabilities.contains(Capabilities::HEARTBEAT))
+            .then(|| std::time::Duration::from_millis(self.heartbeat_ms.into()))
     }
 
     /// Appends the encoding ([`HANDSHAKE_LEN`] bytes).
@@ -90,6 +126,8 @@ impl Handshake {
         dst.put_u32_le(self.limits.max_meta_bytes);
         dst.put_u16_le(self.limits.max_meta_entries);
         dst.put_u16_le(0);
+        dst.put_u32_le(self.heartbeat_ms);
+        dst.put_u32_le(0);
     }
 
     /// Decodes a handshake from the front of `src`.
@@ -114,7 +152,7 @@ impl Handshake {
             });
         }
         let len = u16_at(10);
-        if !(HANDSHAKE_LEN..=MAX_HANDSHAKE_LEN).contains(&(len as usize)) {
+        if !(MIN_HANDSHAKE_LEN..=MAX_HANDSHAKE_LEN).contains(&(len as usize)) {
             return Err(HandshakeError::BadLength(len));
         }
         if src.len() < len as usize {
@@ -139,6 +177,8 @@ impl Handshake {
                 version,
                 capabilities: Capabilities(u32_at(12)),
                 limits,
+                // A peer that predates the field sends no heartbeats.
+                heartbeat_ms: if len >= 36 { u32_at(32) } else { 0 },
             },
             len as usize,
         )))
@@ -208,10 +248,38 @@ mod tests {
     #[test]
     fn longer_handshakes_are_skipped_over() {
         let mut v = encoded();
-        v[10] = 40;
+        v[10] = 48;
         v.extend_from_slice(&[9; 8]);
         v.extend_from_slice(b"next");
         let (_, n) = Handshake::decode(&v).unwrap().unwrap();
         assert_eq!(&v[n..], b"next");
+    }
+
+    #[test]
+    fn heartbeat_interval_and_older_peers() {
+        let mut v = Vec::new();
+        let ours = Handshake::new(Limits::default())
+            .with_heartbeat(Some(std::time::Duration::from_micros(1500)));
+        ours.encode(&mut v);
+        let (hs, _) = Handshake::decode(&v).unwrap().unwrap();
+        assert_eq!(hs.heartbeat_ms, 2, "rounded up");
+        assert_eq!(hs.heartbeat(), Some(std::time::Duration::from_millis(2)));
+        // A version-1 handshake of 32 bytes (before the field): no heartbeats expected.
+        let mut old = v[..MIN_HANDSHAKE_LEN].to_vec();
+        old[10] = MIN_HANDSHAKE_LEN as u8;
+        old[12] = 0; // and no capabilities
+        let (hs, n) = Handshake::decode(&old).unwrap().unwrap();
+        assert_eq!(
+            (n, hs.heartbeat_ms, hs.heartbeat()),
+            (MIN_HANDSHAKE_LEN, 0, None)
+        );
+        assert!(!hs.capabilities.contains(Capabilities::HEARTBEAT));
+        // An interval without the capability is not a promise.
+        let mut odd = v.clone();
+        odd[12] = 0;
+        assert_eq!(
+            Handshake::decode(&odd).unwrap().unwrap().0.heartbeat(),
+            None
+        );
     }
 }

@@ -18,15 +18,25 @@
 //! offset size field
 //!      0    8 magic             "HYPERFRM" (48 59 50 45 52 46 52 4D)
 //!      8    2 version           1
-//!     10    2 length            total handshake length in bytes, >= 32 (32 in version 1);
-//!                               a reader skips the bytes past the fields it knows (<= 1024)
-//!     12    4 capabilities      bit set; none defined in version 1, unknown bits ignored,
-//!                               the pair uses the intersection
+//!     10    2 length            total handshake length in bytes, >= 32 (40 with the
+//!                               heartbeat field); a reader skips the bytes past the fields it
+//!                               knows (<= 1024)
+//!     12    4 capabilities      bit set, unknown bits ignored; bit 0 HEARTBEAT: this side
+//!                               understands HEARTBEAT frames
 //!     16    8 max_body          largest body this side accepts, in bytes
 //!     24    4 max_meta_bytes    largest encoded metadata section this side accepts
 //!     28    2 max_meta_entries  most metadata entries this side accepts
 //!     30    2 reserved          0
+//!     32    4 heartbeat_ms      present when length >= 36: this side sends a frame at least
+//!                               this often (a HEARTBEAT when it has nothing else) while it
+//!                               can write; 0 = it promises nothing
+//!     36    4 reserved          0 (ignored)
 //! ```
+//!
+//! A side sends `HEARTBEAT` frames only to a peer with the HEARTBEAT capability. A side whose
+//! peer promised an interval may declare it lost after a number of intervals with nothing
+//! heard, counted only while it is reading (a side that stops reading, to backpressure the
+//! peer, cannot hear it and does not count).
 //!
 //! The limits are *receive* limits: a sender must not send what the peer says it will not
 //! take (hyperframes refuses such a message at `send`, handing it back). A different
@@ -37,12 +47,12 @@
 //!
 //! ```text
 //! offset size field
-//!      0    1 kind              1 MESSAGE, 2 CLOSE, 3 STOP, 4 ERROR
+//!      0    1 kind              1 MESSAGE, 2 CLOSE, 3 STOP, 4 ERROR, 5 HEARTBEAT
 //!      1    1 flags             MESSAGE only: bit 0 REQUEST, bit 1 RESPONSE; others reserved (0)
 //!      2    1 type_len          MESSAGE: 1..=255; control frames: 0
 //!      3    1 reserved          0
 //!      4    4 meta_len          <= peer's max_meta_bytes; control frames: 0
-//!      8    8 body_len          <= peer's max_body; CLOSE/STOP: 0; ERROR: <= 1024
+//!      8    8 body_len          <= peer's max_body; CLOSE/STOP/HEARTBEAT: 0; ERROR: <= 1024
 //!     16    8 correlation       MESSAGE: pairs a response with its request (0 = none);
 //!                               control frames: 0
 //!     24      type              type_len bytes: the dotted name, see MsgType
@@ -53,8 +63,8 @@
 //! * `MESSAGE` carries one [`Message`].
 //! * `CLOSE`: the sender will send no more messages (half close). The receiver's stream ends
 //!   after the frames before it. A connection that ends *without* `CLOSE` is reported as lost:
-//!   this is how a crashed peer is told apart from a finished one. Only `STOP` or `ERROR` may
-//!   follow a `CLOSE`; a `MESSAGE` after it is a protocol error.
+//!   this is how a crashed peer is told apart from a finished one. Only `STOP`, `ERROR` or
+//!   `HEARTBEAT` may follow a `CLOSE`; a `MESSAGE` after it is a protocol error.
 //! * `STOP`: the sender's receiving half is gone; what it receives from now on is discarded
 //!   (and counted). The other side's sending half fails with `Closed`.
 //!
@@ -64,6 +74,9 @@
 //! the peer's FIN (for a bounded time), so that closing never resets a connection whose last
 //! bytes the peer has not read yet.
 //! * `ERROR`: the body is a UTF-8 reason (at most 1024 bytes); the sender closes next.
+//! * `HEARTBEAT`: nothing but "still here", sent by a side that has written nothing for its
+//!   announced `heartbeat_ms`, until it shuts down its write direction (also after its
+//!   `CLOSE`: the peer may still be sending to it).
 //!
 //! The type is 1 to 255 bytes of `A-Z a-z 0-9 _ - .` forming non-empty dot-separated segments.
 //!
@@ -92,7 +105,9 @@ pub use batch::{Batch, advance};
 pub use frame::{
     Control, Decoder, FRAME_HEAD_LEN, Frame, FrameError, FrameHead, FrameKind, MAX_ERROR_REASON,
 };
-pub use handshake::{Capabilities, HANDSHAKE_LEN, Handshake, HandshakeError, MAGIC, VERSION};
+pub use handshake::{
+    Capabilities, HANDSHAKE_LEN, Handshake, HandshakeError, MAGIC, MIN_HANDSHAKE_LEN, VERSION,
+};
 
 use crate::message::{Message, MsgType};
 

@@ -43,6 +43,7 @@ use super::ring::{self, RingStore};
 use super::segment::{Mapping, Segment, ShmArena, ShmRing};
 use crate::error::Result;
 use crate::message::{Body, BodyMut, Header, LeaseTag, LentMut};
+use crate::transport::heartbeat::{Liveness, Tick};
 use crate::transport::{RecvHalf, SPIN, SendHalf, spin_until};
 use crate::wire::{Limits, TypeCache};
 use crate::{Error, ErrorKind, Message};
@@ -90,6 +91,9 @@ pub(crate) struct Shared {
     peer_gone: AtomicBool,
     /// Set when this side failed the connection for a protocol violation.
     fault: OnceLock<String>,
+    /// Set when this side declared the peer lost: it stopped beating.
+    silent: OnceLock<Error>,
+    live: Liveness,
     external: Mutex<ExternalIn>,
     halves: AtomicU32,
     done: tokio::sync::Notify,
@@ -121,6 +125,8 @@ pub(crate) struct Setup {
     pub(crate) busy_poll: bool,
     pub(crate) zero_copy: bool,
     pub(crate) limits: Limits,
+    /// Heartbeats, as both hellos settled them.
+    pub(crate) live: Liveness,
     pub(crate) peer: String,
 }
 
@@ -155,6 +161,8 @@ impl Shared {
             uds: s.uds,
             peer_gone: AtomicBool::new(false),
             fault: OnceLock::new(),
+            silent: OnceLock::new(),
+            live: s.live,
             external: Mutex::new(ExternalIn::default()),
             halves: AtomicU32::new(2),
             done: tokio::sync::Notify::new(),
@@ -197,6 +205,9 @@ impl Shared {
 
     /// The error a half reports once the peer is gone.
     fn gone_error(&self, what: &str) -> Error {
+        if let Some(e) = self.silent.get() {
+            return e.duplicate();
+        }
         match self.fault.get() {
             Some(why) => corrupt(why),
             None => Error::new(
@@ -267,14 +278,36 @@ impl Shared {
 }
 
 /// Reads the rendezvous socket: external bodies' memfds, and EOF (the peer process is gone).
+/// Beats our heartbeat counter in the segment and watches the peer's: a peer process that is
+/// alive but not running (stopped, deadlocked, its runtime blocked) keeps its socket open and
+/// its memory mapped, and is found only by its counter standing still.
 async fn watch(sh: Arc<Shared>) {
     let mut record = [0u8; ExtRecord::LEN];
     let mut got = 0;
     let mut fds = Vec::new();
+    let mut tick = Tick::new(sh.live.active().then_some(sh.live.tick).flatten());
+    let mut silence = sh.live.silence(std::time::Instant::now());
     loop {
         tokio::select! {
             () = sh.done.notified() => return,
             r = sh.uds.readable() => if r.is_err() { break },
+            () = tick.next() => {
+                if sh.live.send_every.is_some() {
+                    sh.out_ring().control().beat.fetch_add(1, Ordering::Relaxed);
+                }
+                if let Some(s) = &mut silence {
+                    let beat = sh.in_ring().control().beat.load(Ordering::Relaxed);
+                    if let Err(silent) = s.check(std::time::Instant::now(), beat, true) {
+                        let who = format!("the shared-memory peer {}", sh.peer);
+                        let e = sh.live.lost(&who, silent);
+                        tracing::warn!(peer = %sh.peer, "closing shared-memory channel: {e}");
+                        let _ = sh.silent.set(e);
+                        let _ = rustix::net::shutdown(&sh.uds, rustix::net::Shutdown::Both);
+                        break;
+                    }
+                }
+                continue;
+            }
         }
         // At most one descriptor per record: the kernel closes any more that come along.
         let room = usize::from(fds.is_empty());

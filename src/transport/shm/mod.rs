@@ -45,6 +45,7 @@ use tokio::sync::{Semaphore, mpsc};
 
 use super::{AcceptHalf, Config, Parts};
 use crate::error::Result;
+use crate::transport::heartbeat::Liveness;
 use crate::{Error, ErrorKind};
 use conn::{Setup, Shared, ShmReceiver, ShmSender};
 use rendezvous::Hello;
@@ -142,7 +143,7 @@ pub(crate) async fn connect(name: &str, cfg: &Config) -> Result<Parts> {
     rendezvous::check_wake_socket(&data)?;
     rendezvous::check_wake_socket(&space)?;
     let seg = Segment::open(memfd)?;
-    rendezvous::answer(&uds, Hello { limits: cfg.limits }).await?;
+    rendezvous::answer(&uds, Hello::new(cfg)).await?;
     let peer = format!("{url}#pid{}", cred.pid.as_raw_nonzero());
     let sh = Shared::start(Setup {
         seg,
@@ -153,6 +154,7 @@ pub(crate) async fn connect(name: &str, cfg: &Config) -> Result<Parts> {
         busy_poll: cfg.busy_poll,
         zero_copy: zero_copy(cfg),
         limits: cfg.limits,
+        live: Liveness::new(cfg, true, hello.heartbeat()),
         peer: peer.clone(),
     })?;
     Ok(parts(sh, cfg, &url, hello.limits, peer))
@@ -224,7 +226,7 @@ async fn accept(uds: tokio::net::UnixStream, cfg: &Config, url: &str) -> Result<
         let fds = [memfd.as_fd(), data_theirs.as_fd(), space_theirs.as_fd()];
         tokio::time::timeout(
             cfg.handshake_timeout,
-            rendezvous::listener_hello(&uds, Hello { limits: cfg.limits }, &fds),
+            rendezvous::listener_hello(&uds, Hello::new(cfg), &fds),
         )
         .await
         .map_err(|_| {
@@ -246,6 +248,7 @@ async fn accept(uds: tokio::net::UnixStream, cfg: &Config, url: &str) -> Result<
         busy_poll: cfg.busy_poll,
         zero_copy: zero_copy(cfg),
         limits: cfg.limits,
+        live: Liveness::new(cfg, true, theirs.heartbeat()),
         peer: peer.clone(),
     })?;
     Ok(parts(sh, cfg, url, theirs.limits, peer))

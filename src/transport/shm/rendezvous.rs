@@ -5,9 +5,9 @@
 //! ```text
 //! connector                                listener
 //!     ─── connect(path) ──────────────────────▶  accept; SO_PEERCRED: same uid?
-//!     ◀── Hello{limits} + [memfd, data, space] ─  (the peer's ends of two socket pairs)
+//!     ◀── Hello{limits, heartbeat} + [memfd, data, space] ─  (the peer's ends of two socket pairs)
 //!  SO_PEERCRED: same uid? check the descriptors, map + validate
-//!     ─── Hello{limits} ──────────────────────▶
+//!     ─── Hello{limits, heartbeat} ───────────▶
 //! ```
 //!
 //! The socket stays open for the connection's life: its end (EOF) is how each side learns
@@ -261,6 +261,26 @@ pub(crate) fn check_peer(s: &UnixStream, any_uid: bool) -> Result<rustix::net::U
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Hello {
     pub(crate) limits: Limits,
+    /// How often this side advances its heartbeat counter in the segment, in milliseconds
+    /// (0: it does not; a peer that predates the field sends 0 here, as these bytes were
+    /// reserved and zero).
+    pub(crate) heartbeat_ms: u32,
+}
+
+impl Hello {
+    pub(crate) fn new(cfg: &crate::transport::Config) -> Hello {
+        Hello {
+            limits: cfg.limits,
+            heartbeat_ms: cfg.heartbeat.map_or(0, |d| {
+                u32::try_from(d.as_millis()).unwrap_or(u32::MAX).max(1)
+            }),
+        }
+    }
+
+    /// The interval the peer promised, if any.
+    pub(crate) fn heartbeat(&self) -> Option<std::time::Duration> {
+        (self.heartbeat_ms > 0).then(|| std::time::Duration::from_millis(self.heartbeat_ms.into()))
+    }
 }
 
 impl Hello {
@@ -271,6 +291,7 @@ impl Hello {
         b[16..24].copy_from_slice(&self.limits.max_body.to_le_bytes());
         b[24..28].copy_from_slice(&self.limits.max_meta_bytes.to_le_bytes());
         b[28..30].copy_from_slice(&self.limits.max_meta_entries.to_le_bytes());
+        b[32..36].copy_from_slice(&self.heartbeat_ms.to_le_bytes());
         b
     }
 
@@ -292,7 +313,11 @@ impl Hello {
             max_meta_bytes: u32::from_le_bytes(b[24..28].try_into().expect("4 bytes")),
             max_meta_entries: u16::from_le_bytes([b[28], b[29]]),
         };
-        Ok(Hello { limits })
+        let heartbeat_ms = u32::from_le_bytes(b[32..36].try_into().expect("4 bytes"));
+        Ok(Hello {
+            limits,
+            heartbeat_ms,
+        })
     }
 }
 
@@ -421,8 +446,14 @@ mod tests {
     fn hello_round_trip_and_rejections() {
         let h = Hello {
             limits: Limits::default(),
+            heartbeat_ms: 1500,
         };
         assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
+        assert_eq!(h.heartbeat(), Some(std::time::Duration::from_millis(1500)));
+        // An older peer's reserved zeros: no heartbeats.
+        let mut b = h.encode();
+        b[32..36].fill(0);
+        assert_eq!(Hello::decode(&b).unwrap().heartbeat(), None);
         let mut b = h.encode();
         b[0] = b'X';
         assert!(Hello::decode(&b).unwrap_err().to_string().contains("magic"));

@@ -78,6 +78,9 @@ pub(crate) struct Control {
     pub(crate) consumer_closed: AtomicU32,
     /// External bodies (memfds) the consumer has finished with. Written by the consumer.
     pub(crate) ext_released: Padded<AtomicU64>,
+    /// The producer side's heartbeat: a counter its process advances every half heartbeat
+    /// interval while it runs (whatever it sends). Written by the producer's side.
+    pub(crate) beat: Padded<AtomicU64>,
 }
 
 /// Where a ring's control block and slots live.

@@ -33,7 +33,7 @@ use crate::loom::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::{Error, ErrorKind};
 
 const MAGIC: [u8; 8] = *b"HYPERSHM";
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 const PAGE: u64 = 4096;
 
 /// The segment header. Plain data written once by the creator before the segment is shared.

@@ -25,9 +25,10 @@ use futures_util::future::poll_fn;
 
 use super::sys::Io;
 use crate::error::Result;
+use crate::transport::heartbeat::{Liveness, Tick};
 use crate::transport::pipe::{Consumer, Item, Pipe, Producer, Signal, Stager, Unbatcher};
 use crate::transport::{Config, RecvHalf, SendHalf};
-use crate::wire::{Batch, Control, Decoder, Frame, HANDSHAKE_LEN, Handshake, Limits};
+use crate::wire::{Batch, Capabilities, Control, Decoder, Frame, HANDSHAKE_LEN, Handshake, Limits};
 use crate::{Error, ErrorKind, Message};
 
 /// Bytes read into the shared receive buffer at a time (many small frames per read).
@@ -260,12 +261,18 @@ impl Drop for TcpReceiver {
 // Driver (on the I/O thread)
 // ---------------------------------------------------------------------------------------
 
-/// Sends our handshake and reads the peer's. Returns the peer's limits and any bytes that
-/// arrived after its handshake (frames may follow it immediately).
-pub(crate) async fn handshake<S: Io>(stream: &S, cfg: &Config) -> Result<(Limits, BytesMut)> {
+/// Sends our handshake and reads the peer's. Returns the peer's limits, what the two sides
+/// do about heartbeats, and any bytes that arrived after its handshake (frames may follow
+/// it immediately).
+pub(crate) async fn handshake<S: Io>(
+    stream: &S,
+    cfg: &Config,
+) -> Result<(Limits, Liveness, BytesMut)> {
     let fut = async {
         let mut ours = BytesMut::with_capacity(HANDSHAKE_LEN);
-        Handshake::new(cfg.limits).encode(&mut ours);
+        Handshake::new(cfg.limits)
+            .with_heartbeat(cfg.heartbeat)
+            .encode(&mut ours);
         stream
             .write_all(vec![ours.freeze()])
             .await
@@ -275,7 +282,9 @@ pub(crate) async fn handshake<S: Io>(stream: &S, cfg: &Config) -> Result<(Limits
             match Handshake::decode(&buf) {
                 Ok(Some((hs, n))) => {
                     bytes::Buf::advance(&mut buf, n);
-                    return Ok((hs.limits, buf));
+                    let understands = hs.capabilities.contains(Capabilities::HEARTBEAT);
+                    let live = Liveness::new(cfg, understands, hs.heartbeat());
+                    return Ok((hs.limits, live, buf));
                 }
                 Ok(None) => {}
                 Err(e) => {
@@ -328,6 +337,7 @@ pub(crate) fn drive<S: Io>(
     stream: S,
     src: BytesMut,
     cfg: Config,
+    live: Liveness,
     peer: String,
 ) -> impl Future<Output = ()> {
     // Made before the future, so that dropping it unpolled (its runtime shut down before the
@@ -336,7 +346,7 @@ pub(crate) fn drive<S: Io>(
         conn: conn.clone(),
         armed: true,
     };
-    run(guard, conn, stream, src, cfg, peer)
+    run(guard, conn, stream, src, cfg, live, peer)
 }
 
 async fn run<S: Io>(
@@ -345,11 +355,13 @@ async fn run<S: Io>(
     stream: S,
     src: BytesMut,
     cfg: Config,
+    live: Liveness,
     peer: String,
 ) {
     let reader = async {
         let mut inp = Producer::new(conn.inp.clone());
-        if let Err((e, tell_peer)) = read_loop(&conn, &mut inp, &stream, src, &cfg).await {
+        let read = read_loop(&conn, &mut inp, &stream, src, &cfg, &live, &peer);
+        if let Err((e, tell_peer)) = read.await {
             if conn.failed() {
                 // The write side failed first and said why; this is the reader stopping.
             } else if e.kind() != ErrorKind::ConnectionLost {
@@ -365,7 +377,7 @@ async fn run<S: Io>(
     };
     let writer = async {
         let mut out = Consumer::new(conn.out.clone());
-        if let Err(e) = write_loop(&conn, &mut out, &stream).await {
+        if let Err(e) = write_loop(&conn, &mut out, &stream, &live).await {
             tracing::debug!(peer = %peer, "write side failed: {e}");
             conn.fail(e, false);
         }
@@ -432,9 +444,17 @@ async fn read_loop<S: Io>(
     stream: &S,
     mut src: BytesMut,
     cfg: &Config,
+    live: &Liveness,
+    peer: &str,
 ) -> Result<(), LoopError> {
     let mut dec = Decoder::new(cfg.limits);
     let mut clock = FrameClock::new(cfg);
+    // Silence is the time a read has been waiting: reads issued is the count that grows
+    // when something arrives (a read completes, the next is issued). While the Receiver's
+    // queue is full no read is in flight and the tick is not polled: not listening.
+    let mut silence = live.silence(std::time::Instant::now());
+    let mut tick = Tick::new(silence.is_some().then_some(live.tick).flatten());
+    let mut reads: u64 = 0;
     let batch_max = DELIVER_MAX.min(cfg.recv_queue).max(1);
     let mut batch: Vec<Message> = Vec::new();
     let mut peer_closed = false;
@@ -461,6 +481,7 @@ async fn read_loop<S: Io>(
                     conn.peer_stopped.store(true, Ordering::Release);
                     conn.out.to_producer.wake();
                 }
+                Ok(Some(Frame::Control(Control::Heartbeat))) => {}
                 Ok(Some(Frame::Control(Control::Error(reason)))) => {
                     return Err((
                         Error::new(
@@ -514,17 +535,29 @@ async fn read_loop<S: Io>(
                 None => Some(read.await),
             }
         };
-        let res = tokio::select! {
-            biased;
-            // The read in flight is abandoned with its buffer: from here on only failing or
-            // draining, neither of which decodes again.
-            () = poll_fn(|cx| poll_stop(conn, cx)) => {
-                if conn.failed() {
-                    return Err(stopped());
+        tokio::pin!(timed);
+        reads += 1;
+        let res = loop {
+            tokio::select! {
+                biased;
+                // The read in flight is abandoned with its buffer: from here on only failing
+                // or draining, neither of which decodes again.
+                () = poll_fn(|cx| poll_stop(conn, cx)) => {
+                    if conn.failed() {
+                        return Err(stopped());
+                    }
+                    return drain(conn, stream, cfg).await;
                 }
-                return drain(conn, stream, cfg).await;
+                r = &mut timed => break r,
+                () = tick.next() => {
+                    if let Some(s) = &mut silence
+                        && let Err(silent) = s.check(std::time::Instant::now(), reads, true)
+                    {
+                        let who = format!("the tcp peer {peer}");
+                        return Err((live.lost(&who, silent), true));
+                    }
+                }
             }
-            r = timed => r,
         };
         match res {
             None => return Err((clock.expired(), true)),
@@ -684,14 +717,30 @@ async fn send<S: Io>(conn: &Conn, stream: &S, bufs: Vec<bytes::Bytes>) -> Result
     }
 }
 
-async fn write_loop<S: Io>(conn: &Conn, out: &mut Consumer, stream: &S) -> Result<()> {
+async fn write_loop<S: Io>(
+    conn: &Conn,
+    out: &mut Consumer,
+    stream: &S,
+    live: &Liveness,
+) -> Result<()> {
     let mut batch = Batch::default();
     let mut written: u64 = 0;
     // Messages popped but not yet in a batch (a popped item larger than the batch's room).
     let mut leftover = Vec::new().into_iter();
+    let mut beat = Beat::new(live);
     loop {
         if leftover.len() == 0 {
-            match poll_fn(|cx| poll_work(conn, cx)).await {
+            let work = tokio::select! {
+                biased;
+                w = poll_fn(|cx| poll_work(conn, cx)) => w,
+                () = beat.tick.next() => {
+                    if beat.owed() && !beat.send(conn, stream, &mut batch).await? {
+                        return Ok(());
+                    }
+                    continue;
+                }
+            };
+            match work {
                 Work::Failed => {
                     let reason = conn
                         .notify_peer
@@ -735,6 +784,7 @@ async fn write_loop<S: Io>(conn: &Conn, out: &mut Consumer, stream: &S) -> Resul
         if !send(conn, stream, batch.take()).await? {
             return Ok(());
         }
+        beat.wrote();
         written += n;
         conn.written.store(written, Ordering::Release);
         conn.out.to_producer.notify(); // flush progress
@@ -746,20 +796,69 @@ async fn write_loop<S: Io>(conn: &Conn, out: &mut Consumer, stream: &S) -> Resul
     }
     conn.close_done.store(true, Ordering::Release);
     conn.out.to_producer.wake();
+    beat.wrote();
     loop {
-        match poll_fn(|cx| poll_after_close(conn, cx)).await {
+        // Heartbeats go on after CLOSE: the peer may still be sending to us, and must be
+        // able to tell a frozen side from one that has nothing to say.
+        let next = tokio::select! {
+            biased;
+            a = poll_fn(|cx| poll_after_close(conn, cx)) => a,
+            () = beat.tick.next() => {
+                if beat.owed() && !beat.send(conn, stream, &mut batch).await? {
+                    return Ok(());
+                }
+                continue;
+            }
+        };
+        match next {
             AfterClose::Failed => return Ok(()),
             AfterClose::Stop => {
                 batch.push_control(&Control::Stop);
                 if !send(conn, stream, batch.take()).await? {
                     return Ok(());
                 }
+                beat.wrote();
             }
             AfterClose::Done => break,
         }
     }
     let _ = stream.shutdown(Shutdown::Write);
     Ok(())
+}
+
+/// The write loop's heartbeat: owed when nothing was written during a whole tick.
+struct Beat {
+    tick: Tick,
+    on: bool,
+    /// Something was written since the last tick.
+    wrote: bool,
+}
+
+impl Beat {
+    fn new(live: &Liveness) -> Beat {
+        Beat {
+            tick: Tick::new(live.send_every.and(live.tick)),
+            on: live.send_every.is_some(),
+            wrote: false,
+        }
+    }
+
+    fn wrote(&mut self) {
+        self.wrote = true;
+    }
+
+    /// On a tick: whether a heartbeat is owed (and the next tick starts afresh).
+    fn owed(&mut self) -> bool {
+        self.on && !std::mem::replace(&mut self.wrote, false)
+    }
+
+    /// Writes a `HEARTBEAT` (which counts as written: while idle, one goes out every other
+    /// tick, one interval apart); `Ok(false)` when the connection failed meanwhile.
+    async fn send<S: Io>(&mut self, conn: &Conn, stream: &S, batch: &mut Batch) -> Result<bool> {
+        batch.push_control(&Control::Heartbeat);
+        self.wrote = true;
+        send(conn, stream, batch.take()).await
+    }
 }
 
 /// Whether a tcp `Sender` may send: the connection's error first, then its own close, then a

@@ -51,6 +51,7 @@ use tokio::net::TcpStream;
 
 use super::conn::FrameClock;
 use crate::error::Result;
+use crate::transport::heartbeat::{Liveness, Silence, Tick};
 use crate::transport::{Config, RecvHalf, SendHalf};
 use crate::wire::{Batch, Control, Decoder, Frame};
 use crate::{Error, ErrorKind, Message};
@@ -259,6 +260,7 @@ pub(super) fn start(
     stream: TcpStream,
     src: BytesMut,
     cfg: &Config,
+    live: Liveness,
     peer: String,
 ) -> (
     DirectSender,
@@ -296,6 +298,7 @@ pub(super) fn start(
             early: std::collections::VecDeque::new(),
             early_bytes: 0,
             end: None,
+            heard: 0,
         }),
         rx_parked: AtomicBool::new(false),
         rx: AtomicWaker::new(),
@@ -322,7 +325,7 @@ pub(super) fn start(
     };
     (tx, rx, async move {
         let mut guard = guard;
-        flusher(guard.sh.clone()).await;
+        flusher(guard.sh.clone(), live).await;
         guard.armed = false;
     })
 }
@@ -524,6 +527,8 @@ pub(super) struct ReadState {
     early_bytes: usize,
     /// How the peer's direction ended, when the flusher saw it first.
     end: Option<End>,
+    /// Reads that returned bytes: grows whenever the peer is heard from.
+    heard: u64,
 }
 
 /// How the peer's direction ended.
@@ -579,6 +584,7 @@ impl ReadState {
                     sh.tx.wake();
                     continue;
                 }
+                Ok(Some(Frame::Control(Control::Heartbeat))) => continue,
                 Ok(Some(Frame::Control(Control::Error(reason)))) => {
                     return Poll::Ready(Err((
                         Error::new(
@@ -625,6 +631,7 @@ impl ReadState {
                 }
                 Ok(n) => {
                     self.clock.read(n);
+                    self.heard += 1;
                     continue;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -818,10 +825,13 @@ impl Drop for DirectReceiver {
 ///   while the Receiver may still owe a `STOP`, then is shut down (FIN);
 /// * the read side ends at the peer's EOF;
 /// * once both halves are gone, whatever is left finishes within `linger`.
-async fn flusher(sh: Arc<Shared>) {
+async fn flusher(sh: Arc<Shared>, live: Liveness) {
     let mut write_shut = false;
     let mut discarded = 0u64;
     let mut linger_until: Option<tokio::time::Instant> = None;
+    let mut tick = Tick::new(live.active().then_some(live.tick).flatten());
+    let mut silence = live.silence(std::time::Instant::now());
+    let mut written_at_tick = sh.written.load(Ordering::Relaxed);
     loop {
         let blocked = match write_owed(&sh) {
             Ok(b) => b,
@@ -867,9 +877,14 @@ async fn flusher(sh: Arc<Shared>) {
         // is reading it.
         let readable = sh.stream.readable();
         tokio::pin!(readable);
+        let mut ticked = false;
         let wait = poll_fn(|cx| {
             sh.flusher.register(cx.waker());
             if sh.work.swap(false, Ordering::AcqRel) || sh.failed() {
+                return Poll::Ready(());
+            }
+            if tick.poll_tick(cx).is_ready() {
+                ticked = true;
                 return Poll::Ready(());
             }
             if blocked && sh.stream.poll_write_ready(cx).is_ready() {
@@ -890,12 +905,67 @@ async fn flusher(sh: Arc<Shared>) {
         if can_read && (receiver_gone || !sh.rx_parked.load(Ordering::Relaxed)) {
             read_ahead(&sh, &mut discarded);
         }
+        if ticked {
+            let listening = !reader_done && (can_read || sh.rx_parked.load(Ordering::Relaxed));
+            on_tick(
+                &sh,
+                &live,
+                silence.as_mut(),
+                listening,
+                &mut written_at_tick,
+                write_shut,
+            );
+        }
     }
     if discarded > 0 {
         tracing::info!(peer = %sh.peer, discarded, "connection ended; messages no receiver read were discarded");
     }
     let _ = SockRef::from(&sh.stream).shutdown(Shutdown::Both);
     sh.tx.wake();
+}
+
+/// A heartbeat tick of the flusher: a `HEARTBEAT` if nothing was written since the last
+/// tick (it counts as written, so while idle one goes out every other tick, an interval
+/// apart), and the peer declared lost if it has been silent too long while we listened.
+fn on_tick(
+    sh: &Shared,
+    live: &Liveness,
+    silence: Option<&mut Silence>,
+    listening: bool,
+    written_at_tick: &mut u64,
+    write_shut: bool,
+) {
+    if live.send_every.is_some() && !write_shut && !sh.failed() {
+        let written = sh.written.load(Ordering::Relaxed);
+        if written == *written_at_tick {
+            {
+                let mut w = sh.lock();
+                if w.pending() == 0 {
+                    w.push_control(&Control::Heartbeat);
+                }
+            }
+            if let Err(e) = write_owed(sh) {
+                sh.fail(write_error(e), false);
+            }
+        }
+        *written_at_tick = sh.written.load(Ordering::Relaxed);
+    }
+    if let Some(s) = silence {
+        // A Receiver holding the read state is reading right now: that is hearing.
+        let heard = match sh.r.try_lock() {
+            Ok(st) => st.heard,
+            Err(_) => u64::MAX,
+        };
+        // Bytes waiting in the socket were heard too, even if nobody read them yet (a
+        // Receiver whose task dropped its pending `next()` still counts as parked, and the
+        // flusher leaves the socket to it).
+        let mut one = [std::mem::MaybeUninit::<u8>::uninit()];
+        let waiting = SockRef::from(&sh.stream).peek(&mut one).is_ok();
+        if let Err(silent) = s.check(std::time::Instant::now(), heard, listening && !waiting) {
+            let who = format!("the tcp peer {}", sh.peer);
+            sh.fail(live.lost(&who, silent), true);
+        }
+    }
 }
 
 /// Reads what the socket has (never waiting): messages go to the Receiver's early queue

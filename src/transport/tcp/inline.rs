@@ -66,7 +66,7 @@ async fn establish(
     cfg: &Config,
 ) -> Result<Parts> {
     let stream = EpollStream::new(stream);
-    let (peer_limits, leftover) = match super::conn::handshake(&stream, cfg).await {
+    let (peer_limits, live, leftover) = match super::conn::handshake(&stream, cfg).await {
         Ok(r) => r,
         Err(e) => {
             if e.is_protocol() {
@@ -84,7 +84,8 @@ async fn establish(
         }
     };
     let peer_url = Endpoint::from_socket_addr(peer).to_string();
-    let (tx, rx, flusher) = direct::start(stream.into_inner(), leftover, cfg, peer_url.clone());
+    let (tx, rx, flusher) =
+        direct::start(stream.into_inner(), leftover, cfg, live, peer_url.clone());
     rt.spawn(flusher);
     Ok(Parts {
         tx: Box::new(tx),

@@ -167,7 +167,7 @@ pub(super) async fn establish<S: Io>(
     peer: SocketAddr,
     cfg: &Config,
 ) -> Result<(Parts, impl Future<Output = ()> + use<S>)> {
-    let (peer_limits, leftover) = match conn::handshake(&stream, cfg).await {
+    let (peer_limits, live, leftover) = match conn::handshake(&stream, cfg).await {
         Ok(r) => r,
         Err(e) => {
             if e.is_protocol() {
@@ -195,7 +195,7 @@ pub(super) async fn establish<S: Io>(
         peer_limits,
         keepalive: None,
     };
-    let driver = conn::drive(conn, stream, leftover, cfg.clone(), peer_url);
+    let driver = conn::drive(conn, stream, leftover, cfg.clone(), live, peer_url);
     Ok((parts, driver))
 }
 
