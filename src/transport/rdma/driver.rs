@@ -388,9 +388,9 @@ impl<V: Verbs> Driver<V> {
                 self.reads_waiting.push_back(r);
             }
             if st.peer_limits.is_none()
-                && let Some(p) = self.conn.peer()
+                && let Some(l) = self.conn.peer_limits_for_sending()
             {
-                st.peer_limits = Some(p.limits);
+                st.peer_limits = Some(l);
                 if let Some(w) = st.hello_waker.take() {
                     w.wake();
                 }
@@ -498,7 +498,8 @@ impl<V: Verbs> Driver<V> {
         }
 
         // Transmit.
-        let peer_slot = self.conn.peer().map_or(self.cfg.slot_size, |p| p.slot_size) as usize;
+        // Never larger than ours, whatever the peer announced (see `send_slot`).
+        let peer_slot = self.conn.send_slot();
         while self.conn.wants_transmit() {
             let buf = match self.send_free.pop() {
                 Some(b) if b.len() >= peer_slot => b,

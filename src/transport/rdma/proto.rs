@@ -81,6 +81,14 @@
 //!
 //! Hence a sender never overruns the receiver's posted buffers (no RNR), and two sides that
 //! both run low cannot deadlock: each one's last message reports what it released.
+//!
+//! The receiver enforces this rather than trusting it: message `seq` is a protocol error
+//! (`NoCredit`) unless `seq < acked + recv_slots`, with the `acked` it last transmitted. So
+//! a peer that ignores credits cannot make it hold more than `recv_slots` messages, nor,
+//! after `STOP`, queue more `FIN`s than that. The size of what a side sends is the smaller
+//! of the two sides' `slot_size`: a peer announcing 16 MiB buffers does not make us pin
+//! 16 MiB send buffers (metadata that would not fit an `RTS` of that size is refused at
+//! `send`, as beyond the peer's limits).
 
 //! # Limits
 //!
@@ -226,6 +234,21 @@ pub enum ProtoError {
     /// `FIN` for a rendezvous we have not announced, or `RTS` reusing an open id.
     #[error("rendezvous id {0} is not outstanding")]
     UnknownRendezvous(u64),
+    /// A message the peer had no credit for: it sent past the receive buffers we told it
+    /// were free.
+    #[error(
+        "message number {seq} sent without credit: {acked} released and {slots} receive \
+         buffers allow up to {limit}",
+        limit = acked + u64::from(*slots)
+    )]
+    NoCredit {
+        /// Received.
+        seq: u64,
+        /// The `acked` we last sent it.
+        acked: u64,
+        /// Our slots.
+        slots: u32,
+    },
     /// A message after `CLOSE`.
     #[error("a message after CLOSE")]
     AfterClose,
@@ -663,11 +686,27 @@ impl Connection {
         }
     }
 
+    /// The size of the messages we send: the peer's receive buffers, but never more than
+    /// ours, so that a peer announcing huge buffers cannot make us pin huge send buffers
+    /// (bodies that do not fit go by rendezvous anyway).
+    pub fn send_slot(&self) -> usize {
+        let ours = self.local.slot_size;
+        self.peer.map_or(ours, |p| p.slot_size.min(ours)) as usize
+    }
+
+    /// The peer's limits as they apply to what we send it: its own, with metadata capped
+    /// at what fits an `RTS` in [`send_slot`](Self::send_slot) bytes.
+    pub fn peer_limits_for_sending(&self) -> Option<Limits> {
+        let mut l = self.peer?.limits;
+        let room = self.send_slot().saturating_sub(RTS_FIXED + 255);
+        l.max_meta_bytes = l.max_meta_bytes.min(room as u32);
+        Some(l)
+    }
+
     /// True when a message fits in one send (an `EAGER`), false when its body goes by
-    /// rendezvous. Before the peer's `HELLO`, our own slot size decides.
+    /// rendezvous.
     pub fn is_eager(&self, msg: &Message) -> bool {
-        let slot = self.peer.map_or(self.local.slot_size, |p| p.slot_size) as usize;
-        eager_len(msg) <= slot
+        eager_len(msg) <= self.send_slot()
     }
 
     /// True when another message may be queued (the queue is bounded by the peer's slots,
@@ -757,6 +796,18 @@ impl Connection {
     /// posted again as soon as this returns.
     pub fn handle_recv(&mut self, buf: &[u8]) -> Result<(), ProtoError> {
         let (head, _) = decode(buf, &self.local.limits)?;
+        // Credits are enforced here, not trusted: the peer may send message `seq` only once
+        // we have told it (`acked`, as last transmitted) that a buffer is free for it. The
+        // driver reposts each buffer at once, so without this a peer ignoring credits would
+        // make us hold (and answer) any number of messages.
+        let window = u64::from(self.local.recv_slots);
+        if head.seq >= self.reported + window {
+            return Err(ProtoError::NoCredit {
+                seq: head.seq,
+                acked: self.reported,
+                slots: self.local.recv_slots,
+            });
+        }
         if head.seq != self.next_seq {
             let window = u64::from(self.local.recv_slots);
             if head.seq < self.next_seq
@@ -1032,7 +1083,7 @@ impl Connection {
                     HEADER_LEN
                 }
             };
-            debug_assert!(n <= peer.slot_size as usize);
+            debug_assert!(n <= self.send_slot().min(peer.slot_size as usize));
             self.sent += 1;
             self.reported = acked;
             self.signals = 0;
@@ -1239,6 +1290,83 @@ mod tests {
         let n = a.poll_transmit(&mut buf).unwrap();
         let e = b.handle_recv(&buf[..n]).unwrap_err();
         assert!(e.is_limit(), "{e}");
+    }
+
+    /// `a` believes (from a forged `HELLO`) that its peer has 1000 buffers; the real peer,
+    /// `b`, has 4 and reads nothing. Before credits were enforced, `b` took all 200 messages.
+    fn credit_ignoring_sender() -> (Connection, Connection) {
+        let (mut a, mut b) = (Connection::new(params(1000)), Connection::new(params(4)));
+        pump(&mut a, &mut b); // a's HELLO
+        let mut forged = vec![0u8; 8192];
+        let n = encode_hello(&mut forged, &params(1000));
+        a.handle_recv(&forged[..n]).unwrap();
+        let mut ours = vec![0u8; 8192];
+        b.poll_transmit(&mut ours).unwrap(); // b's HELLO, lost
+        (a, b)
+    }
+
+    #[test]
+    fn a_peer_that_ignores_credits_is_refused() {
+        let (mut a, mut b) = credit_ignoring_sender();
+        for _ in 0..200 {
+            a.send_eager(Message::new("t.x").unwrap().with_body(vec![7u8; 4000]));
+        }
+        let mut buf = vec![0u8; 8192];
+        let mut taken = 0;
+        let err = loop {
+            let n = a
+                .poll_transmit(&mut buf)
+                .expect("a has credits it was never given");
+            match b.handle_recv(&buf[..n]) {
+                Ok(()) => taken += 1,
+                Err(e) => break e,
+            }
+        };
+        assert!(matches!(err, ProtoError::NoCredit { .. }), "{err}");
+        assert!(
+            taken < 4,
+            "took {taken} messages into 4 buffers (its HELLO uses one)"
+        );
+        assert!(b.inbox_len() <= 4);
+    }
+
+    #[test]
+    fn after_stop_rendezvous_without_credit_cannot_pile_up_fins() {
+        let (mut a, mut b) = credit_ignoring_sender();
+        b.stop();
+        let region = RemoteRegion {
+            addr: 0x1000,
+            len: 100_000,
+            rkey: 3,
+        };
+        for _ in 0..200 {
+            a.send_rendezvous(Message::new("big").unwrap(), region);
+        }
+        let mut buf = vec![0u8; 8192];
+        let err = loop {
+            let n = a.poll_transmit(&mut buf).unwrap();
+            if let Err(e) = b.handle_recv(&buf[..n]) {
+                break e;
+            }
+        };
+        assert!(matches!(err, ProtoError::NoCredit { .. }), "{err}");
+        assert!(b.queued() <= 4 + 1, "{} FINs queued", b.queued());
+    }
+
+    #[test]
+    fn send_buffers_never_exceed_ours() {
+        let mut huge = params(4);
+        huge.slot_size = 1 << 24;
+        huge.limits.max_meta_bytes = 1 << 23;
+        let (mut a, mut b) = (Connection::new(params(4)), Connection::new(huge));
+        pump(&mut a, &mut b);
+        pump(&mut b, &mut a);
+        assert_eq!(a.send_slot(), 8192, "capped at ours, not the peer's 16 MiB");
+        assert_eq!(b.send_slot(), 8192, "the peer's own, smaller");
+        assert!(!a.is_eager(&Message::new("t.x").unwrap().with_body(vec![0u8; 9000])));
+        let l = a.peer_limits_for_sending().unwrap();
+        assert_eq!(l.max_meta_bytes as usize, 8192 - RTS_FIXED - 255);
+        assert_eq!(l.max_body, huge.limits.max_body);
     }
 
     #[test]
