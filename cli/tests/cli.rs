@@ -5,8 +5,6 @@
 //! read, and a run is over when its process exits. Every wait has a 30 s guard that fails
 //! the test, and every spawned process is killed when its guard is dropped.
 
-#![cfg(feature = "cli")]
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};

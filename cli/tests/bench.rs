@@ -5,7 +5,7 @@
 //! Runs are short (`--duration 0.2`): these check what is reported and that nothing hangs,
 //! not how fast anything is (that is what `hf bench` itself is for).
 
-#![cfg(all(feature = "cli", feature = "tcp", feature = "shm", feature = "inproc"))]
+#![cfg(all(feature = "tcp", feature = "shm", feature = "inproc"))]
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Output, Stdio};

@@ -105,7 +105,6 @@ async fn forced_io_uring_where_refused_is_a_clear_error() {
 
 /// `hf doctor` where io_uring is refused: the io_uring finding warns, says tcp:// runs on
 /// epoll and gives the fix; the exit status stays 0.
-#[cfg(feature = "cli")]
 #[test]
 fn doctor_reports_refused_io_uring() {
     if !strace_available() {
