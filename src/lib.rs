@@ -123,7 +123,7 @@ pub mod rdma {
     /// The RDMA devices of this host, or an [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable)
     /// error saying there are none (what `bind` and `connect` of `rdma://` check first).
     pub fn devices() -> Result<Vec<String>> {
-        crate::transport::rdma::async_rdma::devices()
+        crate::transport::rdma::devices()
     }
 }
 

@@ -20,65 +20,30 @@
 //! it created them.
 
 use std::alloc::Layout;
-use std::path::Path;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
 use async_rdma::{
-    AccessFlag, ConnectionType, Gid, LocalMr, MrAccess, MrToken, QueuePairEndpoint,
-    QueuePairEndpointBuilder, Rdma, RdmaBuilder, RemoteMr,
+    AccessFlag, ConnectionType, Gid, LocalMr, MrAccess, MrToken, QueuePairEndpointBuilder, Rdma,
+    RdmaBuilder, RemoteMr,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
+use super::setup::{self, Endpoint, Placement};
 use super::verbs::{Access, Completion, Region, RemoteRegion, VerbOp, Verbs, VerbsError, WcStatus};
 use crate::error::Result;
 use crate::transport::{AcceptHalf, Config, Parts};
 use crate::{Error, ErrorKind};
 
-/// Where the kernel lists RDMA devices.
-const SYSFS: &str = "/sys/class/infiniband";
-
-/// The RDMA devices of this host (names under `/sys/class/infiniband`), or `Unavailable`
-/// saying there are none. Never calls into libibverbs when sysfs lists nothing.
+/// The RDMA devices of this host (sysfs, then `ibv_get_device_list` through async-rdma), or
+/// `Unavailable` saying there are none. Never calls into libibverbs when sysfs lists nothing.
 pub(crate) fn devices() -> Result<Vec<String>> {
-    let none = |why: String| {
-        Error::new(
-            ErrorKind::Unavailable,
-            format!(
-                "no RDMA device on this host: {why}; rdma:// needs an InfiniBand or RoCE NIC \
-                 (or soft-RoCE: `rdma link add rxe0 type rxe netdev <if>`); run `hf doctor` for details"
-            ),
-        )
-    };
-    let mut names: Vec<String> = match std::fs::read_dir(Path::new(SYSFS)) {
-        Ok(dir) => dir
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect(),
-        Err(e) => return Err(none(format!("{SYSFS} cannot be read ({e})"))),
-    };
-    names.sort();
-    if names.is_empty() {
-        return Err(none(format!("{SYSFS} is empty")));
-    }
+    let names = setup::sysfs_devices()?;
     match async_rdma::device::DeviceList::available() {
         Ok(list) if !list.is_empty() => Ok(names),
-        Ok(_) => Err(none("ibv_get_device_list returned no devices".into())),
-        Err(e) => Err(none(format!("ibv_get_device_list failed: {e}"))),
-    }
-}
-
-fn env<T: std::str::FromStr>(name: &str, default: T) -> Result<T> {
-    match std::env::var(name) {
-        Err(_) => Ok(default),
-        Ok(v) => v.parse().map_err(|_| {
-            Error::new(
-                ErrorKind::Config,
-                format!("{name}={v:?} is not a valid value"),
-            )
-        }),
+        Ok(_) => Err(setup::no_device("ibv_get_device_list returned no devices")),
+        Err(e) => Err(setup::no_device(format!("ibv_get_device_list failed: {e}"))),
     }
 }
 
@@ -250,44 +215,9 @@ impl Verbs for ArVerbs {
 // Set-up
 // ---------------------------------------------------------------------------------------
 
-const OOB_MAGIC: [u8; 8] = *b"HFRDMAOB";
-const OOB_VERSION: u16 = 1;
-const OOB_LEN: usize = 36;
-
-fn encode_endpoint(ep: &QueuePairEndpoint) -> [u8; OOB_LEN] {
-    let mut b = [0u8; OOB_LEN];
-    b[..8].copy_from_slice(&OOB_MAGIC);
-    b[8..10].copy_from_slice(&OOB_VERSION.to_le_bytes());
-    b[12..16].copy_from_slice(&ep.qp_num().to_le_bytes());
-    b[16..18].copy_from_slice(&ep.lid().to_le_bytes());
-    b[20..36].copy_from_slice(ep.gid().as_raw());
-    b
-}
-
-fn decode_endpoint(b: &[u8; OOB_LEN]) -> Result<QueuePairEndpoint> {
-    let bad = |why: &str| Error::new(ErrorKind::Protocol, format!("rdma set-up: {why}"));
-    if b[..8] != OOB_MAGIC {
-        return Err(bad("the peer is not a hyperframes rdma:// endpoint"));
-    }
-    let v = u16::from_le_bytes([b[8], b[9]]);
-    if v != OOB_VERSION {
-        return Err(bad(&format!(
-            "set-up version {v}, this side speaks {OOB_VERSION}"
-        )));
-    }
-    let mut gid = [0u8; 16];
-    gid.copy_from_slice(&b[20..36]);
-    QueuePairEndpointBuilder::default()
-        .qp_num(u32::from_le_bytes([b[12], b[13], b[14], b[15]]))
-        .lid(u16::from_le_bytes([b[16], b[17]]))
-        .gid(Gid::from_raw(gid))
-        .build()
-        .map_err(|e| bad(&e.to_string()))
-}
-
 fn builder(cfg: &super::RdmaConfig) -> Result<RdmaBuilder> {
-    let port: u8 = env("HYPERFRAMES_RDMA_PORT", 1)?;
-    let gid: usize = env("HYPERFRAMES_RDMA_GID_INDEX", 1)?;
+    let place = Placement::from_env()?;
+    let (port, gid) = (place.port, place.gid_index as usize);
     let depth = cfg.recv_slots + 16;
     let mut b = RdmaBuilder::default()
         .set_conn_type(ConnectionType::RCIBV)
@@ -298,8 +228,8 @@ fn builder(cfg: &super::RdmaConfig) -> Result<RdmaBuilder> {
         .set_qp_max_send_wr(depth)
         .set_cq_size(depth * 2)
         .set_rnr_retry(7);
-    if let Ok(dev) = std::env::var("HYPERFRAMES_RDMA_DEVICE") {
-        b = b.set_dev(&dev);
+    if let Some(dev) = &place.device {
+        b = b.set_dev(dev);
     }
     Ok(b)
 }
@@ -316,21 +246,19 @@ async fn handshake(
             format!("opening the RDMA device: {e}"),
         )
     })?;
-    let ours = encode_endpoint(&rdma.get_qp_endpoint());
-    let mut theirs = [0u8; OOB_LEN];
-    tokio::time::timeout(t, async {
-        tcp.write_all(&ours).await?;
-        tcp.read_exact(&mut theirs).await.map(|_| ())
-    })
-    .await
-    .map_err(|_| {
-        Error::new(
-            ErrorKind::TimedOut,
-            format!("no rdma set-up answer within {t:?}"),
-        )
-    })?
-    .map_err(|e| Error::io("rdma set-up exchange", e))?;
-    let remote = decode_endpoint(&theirs)?;
+    let ep = rdma.get_qp_endpoint();
+    let ours = Endpoint {
+        qpn: *ep.qp_num(),
+        lid: *ep.lid(),
+        gid: *ep.gid().as_raw(),
+    };
+    let theirs = setup::exchange(tcp, ours, t).await?;
+    let remote = QueuePairEndpointBuilder::default()
+        .qp_num(theirs.qpn)
+        .lid(theirs.lid)
+        .gid(Gid::from_raw(theirs.gid))
+        .build()
+        .map_err(|e| Error::new(ErrorKind::Protocol, format!("rdma set-up: {e}")))?;
     rdma.ibv_connect(remote)
         .await
         .map_err(|e| Error::new(ErrorKind::Io, format!("connecting the queue pair: {e}")))?;

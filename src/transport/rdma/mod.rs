@@ -10,15 +10,23 @@
 //! * [`sim`] — simulated verbs (two queue pairs in memory) enforcing what a NIC enforces,
 //!   with injectable faults: how CI tests the protocol.
 //! * `driver` — the async shell: one task per connection, and the user halves.
-//! * `async_rdma` — the real backend on async-rdma (GPL-3.0-only), behind a device check.
+//! * `sideway` — the hardware backend on sideway (MPL-2.0; rdma-core loaded at run time),
+//!   behind a device check: the default.
+//! * `async_rdma` — the second hardware backend, on async-rdma (GPL-3.0-only, feature
+//!   `rdma-async-rdma`), chosen with `HYPERFRAMES_RDMA_BACKEND=async-rdma`.
+//! * `setup` — what both share: the device check, the environment's settings, the TCP
+//!   exchange that connects two queue pairs (the same bytes for both backends).
 //!
 //! `rdma+sim://name` runs the same transport over the simulation, inside one process (names
 //! are per `Context`, as for `inproc://`): the channel API end to end without hardware.
 
+#[cfg(feature = "rdma-async-rdma")]
 pub(crate) mod async_rdma;
 pub(crate) mod driver;
 pub mod pool;
 pub mod proto;
+pub(crate) mod setup;
+pub(crate) mod sideway;
 pub mod sim;
 pub mod verbs;
 
@@ -192,8 +200,50 @@ pub(crate) async fn sim_connect(reg: &Arc<SimRegistry>, name: &str) -> Result<Pa
 // rdma:// on hardware
 // ---------------------------------------------------------------------------------------
 
+/// The hardware backends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Backend {
+    Sideway,
+    #[cfg(feature = "rdma-async-rdma")]
+    AsyncRdma,
+}
+
+/// `HYPERFRAMES_RDMA_BACKEND`: `sideway` (the default) or `async-rdma` (built with the
+/// feature `rdma-async-rdma`).
+fn backend() -> Result<Backend> {
+    match std::env::var("HYPERFRAMES_RDMA_BACKEND").as_deref() {
+        Err(_) | Ok("" | "sideway") => Ok(Backend::Sideway),
+        #[cfg(feature = "rdma-async-rdma")]
+        Ok("async-rdma" | "async_rdma") => Ok(Backend::AsyncRdma),
+        Ok(v) => Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "HYPERFRAMES_RDMA_BACKEND={v:?}: expected sideway{}",
+                if cfg!(feature = "rdma-async-rdma") {
+                    " or async-rdma"
+                } else {
+                    " (async-rdma needs the feature rdma-async-rdma)"
+                }
+            ),
+        )),
+    }
+}
+
+/// The RDMA devices of this host, as the chosen backend sees them.
+pub(crate) fn devices() -> Result<Vec<String>> {
+    match backend()? {
+        Backend::Sideway => sideway::devices(),
+        #[cfg(feature = "rdma-async-rdma")]
+        Backend::AsyncRdma => async_rdma::devices(),
+    }
+}
+
 pub(crate) async fn connect(host: &str, port: u16, cfg: &Config) -> Result<Parts> {
-    async_rdma::connect(host, port, cfg).await
+    match backend()? {
+        Backend::Sideway => sideway::connect(host, port, cfg).await,
+        #[cfg(feature = "rdma-async-rdma")]
+        Backend::AsyncRdma => async_rdma::connect(host, port, cfg).await,
+    }
 }
 
 pub(crate) async fn bind(
@@ -201,5 +251,9 @@ pub(crate) async fn bind(
     port: u16,
     cfg: &Config,
 ) -> Result<(Box<dyn AcceptHalf>, String)> {
-    async_rdma::bind(host, port, cfg).await
+    match backend()? {
+        Backend::Sideway => sideway::bind(host, port, cfg).await,
+        #[cfg(feature = "rdma-async-rdma")]
+        Backend::AsyncRdma => async_rdma::bind(host, port, cfg).await,
+    }
 }

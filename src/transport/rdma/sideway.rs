@@ -1,0 +1,622 @@
+//! The default hardware backend: [`Verbs`] on sideway (MPL-2.0), and `rdma://` set-up.
+//!
+//! sideway binds rdma-core through rdma-mummy-sys, which loads `libibverbs.so.1` with
+//! `dlopen` when the process starts: building needs no RDMA headers or libraries, and on a
+//! host without them every verb answers an error (the device check below turns it into
+//! [`ErrorKind::Unavailable`]), never a failed start or a panic.
+//!
+//! One connection is one RC queue pair with one completion queue and its completion channel.
+//! Posting is synchronous and in order (the queue pair behind a mutex, held for the post
+//! only). Every posted buffer moves into the table of work in flight, keyed by work-request
+//! id, and comes back with its completion: no buffer can be freed or reused while the NIC may
+//! touch it, even if the operation's future is dropped. A reaper task per connection waits
+//! on the completion channel's descriptor through tokio's [`AsyncFd`], then drains the
+//! completion queue in batches and answers each operation's future. Set-up is the TCP
+//! exchange of [`setup`](super::setup).
+//!
+//! What needs hardware to be checked: everything after the device check. The protocol above
+//! this backend is the one the simulated verbs test; this file is the translation to verbs.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use sideway::ibverbs::AccessFlags;
+use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
+use sideway::ibverbs::completion::{
+    BasicCompletionQueue, CompletionChannel, CompletionQueue, GenericCompletionQueue,
+    PollCompletionQueueError,
+};
+use sideway::ibverbs::device::{DeviceInfo, DeviceList};
+use sideway::ibverbs::device_context::{DeviceContext, Mtu};
+use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::queue_pair::{
+    BasicQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState, QueuePairType,
+    SetScatterGatherEntry, WorkRequestFlags,
+};
+use tokio::io::unix::AsyncFd;
+use tokio::sync::{mpsc, oneshot};
+
+use super::setup::{self, Endpoint, Placement};
+use super::verbs::{Access, Completion, Region, RemoteRegion, VerbOp, Verbs, VerbsError, WcStatus};
+use crate::error::Result;
+use crate::transport::{AcceptHalf, Config, Parts};
+use crate::{Error, ErrorKind};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The RDMA devices of this host: sysfs first (nothing loaded when it lists none), then
+/// `ibv_get_device_list` through rdma-core.
+pub(crate) fn devices() -> Result<Vec<String>> {
+    let names = setup::sysfs_devices()?;
+    match DeviceList::new() {
+        Ok(list) if !list.is_empty() => Ok(names),
+        Ok(_) => Err(setup::no_device("ibv_get_device_list returned no devices")),
+        Err(e) => Err(setup::no_device(format!(
+            "ibv_get_device_list failed: {e} (is rdma-core's libibverbs.so.1 installed?)"
+        ))),
+    }
+}
+
+/// `IBV_WC_*` statuses as the protocol knows them.
+fn wc_status(status: u32) -> WcStatus {
+    match status {
+        1 => WcStatus::LocalLength,
+        4 => WcStatus::LocalProtection,
+        5 => WcStatus::Flushed,
+        9 => WcStatus::RemoteInvalidRequest,
+        10 => WcStatus::RemoteAccess,
+        12 => WcStatus::RetryExceeded,
+        13 => WcStatus::RnrRetryExceeded,
+        _ => WcStatus::Other,
+    }
+}
+
+fn verbs_failed(op: VerbOp, e: impl std::fmt::Display) -> VerbsError {
+    VerbsError::new(op, WcStatus::Other).with_detail(e.to_string())
+}
+
+/// Memory allocated here and registered with the device. Fields drop in order: the
+/// registration goes before the memory it covers.
+pub(crate) struct SwMr {
+    mr: Arc<MemoryRegion>,
+    mem: Box<[u8]>,
+}
+
+impl Region for SwMr {
+    fn len(&self) -> usize {
+        self.mem.len()
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        &self.mem
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.mem
+    }
+
+    fn remote(&self, offset: usize, len: usize) -> RemoteRegion {
+        RemoteRegion {
+            addr: self.mem.as_ptr() as u64 + offset as u64,
+            len: len as u64,
+            rkey: self.mr.rkey(),
+        }
+    }
+}
+
+/// What a completion hands back: the buffer and the bytes received, or why it failed.
+type Answer = std::result::Result<(SwMr, usize), VerbsError>;
+
+/// A posted operation: its buffer (owned here until the NIC is done with it) and who waits.
+struct Inflight {
+    buf: SwMr,
+    op: VerbOp,
+    tx: oneshot::Sender<Answer>,
+}
+
+type Table = Arc<Mutex<HashMap<u64, Inflight>>>;
+
+/// An open device: context, protection domain and where on it.
+struct Device {
+    ctx: Arc<DeviceContext>,
+    pd: Arc<ProtectionDomain>,
+    port: u8,
+    gid_index: u32,
+    name: String,
+}
+
+fn open(p: &Placement) -> Result<Device> {
+    devices()?;
+    let unavailable = |what: &str, e: &dyn std::fmt::Display| {
+        Error::new(ErrorKind::Unavailable, format!("{what}: {e}"))
+    };
+    let list = DeviceList::new().map_err(|e| unavailable("listing RDMA devices", &e))?;
+    let dev = list
+        .iter()
+        .find(|d| p.device.as_deref().is_none_or(|want| d.name() == want))
+        .ok_or_else(|| {
+            setup::no_device(format!(
+                "HYPERFRAMES_RDMA_DEVICE={:?} is not among this host's devices",
+                p.device.as_deref().unwrap_or("")
+            ))
+        })?;
+    let name = dev.name();
+    let ctx = dev
+        .open()
+        .map_err(|e| unavailable(&format!("opening {name}"), &e))?;
+    let pd = ctx
+        .alloc_pd()
+        .map_err(|e| unavailable(&format!("allocating a protection domain on {name}"), &e))?;
+    Ok(Device {
+        ctx,
+        pd,
+        port: p.port,
+        gid_index: p.gid_index,
+        name: format!("{name}:{}", p.port),
+    })
+}
+
+/// The completion channel, as [`AsyncFd`] sees it: holding the channel keeps its
+/// descriptor open for as long as the `AsyncFd` lives.
+struct ChannelFd(Arc<CompletionChannel>);
+
+impl AsRawFd for ChannelFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+/// [`Verbs`] over one sideway queue pair. Fields drop in order: the queue pair (no DMA after
+/// it is destroyed) before the buffers of what was in flight.
+pub(crate) struct SwVerbs {
+    qp: Mutex<BasicQueuePair>,
+    inflight: Table,
+    pd: Arc<ProtectionDomain>,
+    next: AtomicU64,
+    reaper: tokio::task::JoinHandle<()>,
+    name: String,
+}
+
+impl Drop for SwVerbs {
+    fn drop(&mut self) {
+        self.reaper.abort();
+    }
+}
+
+impl SwVerbs {
+    /// A queue pair on `dev` in the INIT state, its completion queue, and the reaper task
+    /// (spawned on the current runtime). `depth`: work requests per direction.
+    fn new(dev: &Device, depth: u32, peer: &str) -> Result<(SwVerbs, Endpoint)> {
+        let failed = |what: &str, e: &dyn std::fmt::Display| {
+            Error::new(ErrorKind::Io, format!("{what} on {}: {e}", dev.name))
+        };
+        let ch = dev
+            .ctx
+            .create_comp_channel()
+            .map_err(|e| failed("creating a completion channel", &e))?;
+        ch.set_nonblocking(true)
+            .map_err(|e| failed("making the completion channel non-blocking", &e))?;
+        let cq = dev
+            .ctx
+            .create_cq_builder()
+            .setup_cqe(depth * 2)
+            .setup_comp_channel(&ch, 0)
+            .build()
+            .map_err(|e| failed("creating a completion queue", &e))?;
+        let mut qp = dev
+            .pd
+            .create_qp_builder()
+            .setup_qp_type(QueuePairType::ReliableConnection)
+            .setup_max_send_wr(depth)
+            .setup_max_recv_wr(depth)
+            .setup_max_send_sge(1)
+            .setup_max_recv_sge(1)
+            .setup_send_cq(GenericCompletionQueue::from(cq.clone()))
+            .setup_recv_cq(GenericCompletionQueue::from(cq.clone()))
+            .build()
+            .map_err(|e| failed("creating a queue pair", &e))?;
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Init)
+            .setup_pkey_index(0)
+            .setup_port(dev.port)
+            .setup_access_flags(
+                AccessFlags::LocalWrite | AccessFlags::RemoteRead | AccessFlags::RemoteWrite,
+            );
+        qp.modify(&attr)
+            .map_err(|e| failed("moving the queue pair to INIT", &e))?;
+        let port = dev
+            .ctx
+            .query_port(dev.port)
+            .map_err(|e| failed(&format!("querying port {}", dev.port), &e))?;
+        let gid = dev
+            .ctx
+            .query_gid(dev.port, dev.gid_index)
+            .map_err(|e| failed(&format!("reading GID index {}", dev.gid_index), &e))?;
+        let ours = Endpoint {
+            qpn: qp.qp_number(),
+            lid: port.lid(),
+            gid: gid.raw,
+        };
+        // SAFETY: `ChannelFd` owns the channel, so the descriptor stays open and the same
+        // for the whole life of the `AsyncFd`, and `as_raw_fd` always returns it.
+        let fd = unsafe {
+            AsyncFd::register_with_interest(ChannelFd(ch), tokio::io::Interest::READABLE)
+        }
+        .map_err(|e| Error::io("registering the completion channel", e.into()))?;
+        let inflight: Table = Arc::default();
+        let reaper = tokio::spawn(reap(cq, fd, inflight.clone(), peer.to_owned()));
+        Ok((
+            SwVerbs {
+                qp: Mutex::new(qp),
+                inflight,
+                pd: dev.pd.clone(),
+                next: AtomicU64::new(1),
+                reaper,
+                name: dev.name.clone(),
+            },
+            ours,
+        ))
+    }
+
+    /// Moves the queue pair to ready-to-receive and ready-to-send with the peer's `ep`.
+    fn connect(&self, ep: &Endpoint, dev: &Device) -> Result<()> {
+        let failed = |what: &str, e: &dyn std::fmt::Display| {
+            Error::new(ErrorKind::Io, format!("{what} on {}: {e}", dev.name))
+        };
+        let gid = Gid { raw: ep.gid };
+        let mut ah = AddressHandleAttribute::new();
+        ah.setup_dest_lid(ep.lid)
+            .setup_port(dev.port)
+            .setup_service_level(0)
+            .setup_grh_src_gid_index(dev.gid_index as u8)
+            .setup_grh_dest_gid(&gid)
+            .setup_grh_hop_limit(64);
+        let mut qp = lock(&self.qp);
+        let mut rtr = QueuePairAttribute::new();
+        rtr.setup_state(QueuePairState::ReadyToReceive)
+            .setup_path_mtu(Mtu::Mtu1024)
+            .setup_dest_qp_num(ep.qpn)
+            .setup_rq_psn(0)
+            .setup_max_dest_read_atomic(16)
+            .setup_min_rnr_timer(12)
+            .setup_address_vector(&ah);
+        qp.modify(&rtr)
+            .map_err(|e| failed("moving the queue pair to RTR", &e))?;
+        let mut rts = QueuePairAttribute::new();
+        rts.setup_state(QueuePairState::ReadyToSend)
+            .setup_sq_psn(0)
+            .setup_timeout(14)
+            .setup_retry_cnt(7)
+            .setup_rnr_retry(7)
+            .setup_max_read_atomic(16);
+        qp.modify(&rts)
+            .map_err(|e| failed("moving the queue pair to RTS", &e))?;
+        Ok(())
+    }
+
+    /// Posts `op` on `buf` (`len` bytes; `remote` for reads and writes); the answer comes
+    /// through the returned receiver.
+    fn post(
+        &self,
+        op: VerbOp,
+        buf: SwMr,
+        len: usize,
+        remote: Option<RemoteRegion>,
+    ) -> oneshot::Receiver<Answer> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (lkey, addr) = (buf.mr.lkey(), buf.mem.as_ptr() as u64);
+        let len = len.min(buf.len()) as u32;
+        let (tx, rx) = oneshot::channel();
+        lock(&self.inflight).insert(id, Inflight { buf, op, tx });
+        let posted = {
+            let mut qp = lock(&self.qp);
+            match op {
+                VerbOp::Recv => {
+                    let mut g = qp.start_post_recv();
+                    // SAFETY: `addr..addr + len` lies in the buffer registered under `lkey`,
+                    // which the in-flight table owns until this work request completes.
+                    unsafe { g.construct_wr(id).setup_sge(lkey, addr, len) };
+                    g.post().map_err(|e| e.to_string())
+                }
+                _ => {
+                    let mut g = qp.start_post_send();
+                    let wr = g.construct_wr(id, WorkRequestFlags::Signaled);
+                    let wr = match (op, remote) {
+                        (VerbOp::Read, Some(r)) => wr.setup_read(r.rkey, r.addr),
+                        (VerbOp::Write, Some(r)) => wr.setup_write(r.rkey, r.addr),
+                        _ => wr.setup_send(),
+                    };
+                    // SAFETY: as for receives: the table owns the buffer until completion.
+                    unsafe { wr.setup_sge(lkey, addr, len) };
+                    g.post().map_err(|e| e.to_string())
+                }
+            }
+        };
+        if let Err(e) = posted
+            && let Some(w) = lock(&self.inflight).remove(&id)
+        {
+            // Never posted: the buffer is ours again, and dropped with the error.
+            let _ =
+                w.tx.send(Err(verbs_failed(op, format!("posting failed: {e}"))));
+        }
+        rx
+    }
+
+    fn completion(op: VerbOp, rx: oneshot::Receiver<Answer>) -> Completion<(SwMr, usize)> {
+        Box::pin(async move {
+            rx.await.unwrap_or_else(|_| {
+                Err(VerbsError::new(op, WcStatus::Flushed)
+                    .with_detail("the connection's completion queue is gone"))
+            })
+        })
+    }
+}
+
+/// Drains the completion queue: answers every completed operation. `Err` when the queue
+/// cannot be polled any more.
+fn drain(cq: &BasicCompletionQueue, table: &Table) -> std::result::Result<(), String> {
+    loop {
+        match cq.start_poll() {
+            Ok(poller) => {
+                let mut t = lock(table);
+                for wc in poller {
+                    let Some(w) = t.remove(&wc.wr_id()) else {
+                        continue;
+                    };
+                    let answer = if wc.status() == 0 {
+                        Ok((w.buf, wc.byte_len() as usize))
+                    } else {
+                        // The NIC is done with the buffer (the request completed, in error):
+                        // it is dropped here.
+                        Err(
+                            VerbsError::new(w.op, wc_status(wc.status())).with_detail(format!(
+                                "work completion status {}, vendor error {:#x}",
+                                wc.status(),
+                                wc.vendor_err()
+                            )),
+                        )
+                    };
+                    let _ = w.tx.send(answer);
+                }
+            }
+            Err(PollCompletionQueueError::CompletionQueueEmpty) => return Ok(()),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+/// The connection's reaper: arm the completion queue, wait on the channel, drain.
+async fn reap(cq: Arc<BasicCompletionQueue>, fd: AsyncFd<ChannelFd>, table: Table, peer: String) {
+    let ch = &fd.get_ref().0;
+    let fatal = loop {
+        if let Err(e) = drain(&cq, &table) {
+            break e;
+        }
+        // SAFETY: the completion queue is alive (`cq` holds it) for the call.
+        if unsafe { rdma_mummy_sys::ibv_req_notify_cq(cq.cq().as_ptr(), 0) } != 0 {
+            break "arming the completion queue failed".to_owned();
+        }
+        // What completed before the arm raised no event: take it now.
+        if let Err(e) = drain(&cq, &table) {
+            break e;
+        }
+        let mut guard = match fd.readable().await {
+            Ok(g) => g,
+            Err(e) => break format!("waiting on the completion channel: {e}"),
+        };
+        let mut events = 0u32;
+        loop {
+            let mut ev_cq = std::ptr::null_mut();
+            let mut ev_ctx = std::ptr::null_mut();
+            // SAFETY: the channel is alive (`ch`) and non-blocking: this returns -1 at once
+            // when no event is queued.
+            let got = unsafe {
+                rdma_mummy_sys::ibv_get_cq_event(
+                    ch.comp_channel().as_ptr(),
+                    &mut ev_cq,
+                    &mut ev_ctx,
+                )
+            };
+            if got != 0 {
+                break;
+            }
+            events += 1;
+        }
+        if events > 0 {
+            // SAFETY: acknowledges the events just taken for this (live) completion queue.
+            unsafe { rdma_mummy_sys::ibv_ack_cq_events(cq.cq().as_ptr(), events) };
+        }
+        guard.clear_ready();
+    };
+    tracing::warn!(peer = %peer, "rdma completion queue failed: {fatal}");
+    // Nothing will complete any more. The buffers of what is still posted are leaked rather
+    // than freed under a queue pair that might still write them.
+    for (_, w) in lock(&table).drain() {
+        let op = w.op;
+        std::mem::forget(w.buf);
+        let _ = w.tx.send(Err(verbs_failed(op, &fatal)));
+    }
+}
+
+impl Verbs for SwVerbs {
+    type Mr = SwMr;
+
+    fn register(&self, len: usize, access: Access) -> std::result::Result<SwMr, VerbsError> {
+        let mut flags = AccessFlags::LocalWrite;
+        if access.remote_read {
+            flags |= AccessFlags::RemoteRead;
+        }
+        if access.remote_write {
+            flags |= AccessFlags::RemoteWrite;
+        }
+        let mut mem = vec![0u8; len.max(1)].into_boxed_slice();
+        // SAFETY: `mem` is `mem.len()` bytes we own; it lives in the returned `SwMr`, whose
+        // field order drops the registration before the memory.
+        let mr = unsafe { self.pd.reg_mr(mem.as_mut_ptr() as usize, mem.len(), flags) }.map_err(
+            |e| {
+                VerbsError::new(VerbOp::Register, WcStatus::NoMemory).with_detail(format!(
+                    "{e} (is the locked-memory limit, `ulimit -l`, large enough?)"
+                ))
+            },
+        )?;
+        Ok(SwMr { mr, mem })
+    }
+
+    fn post_recv(&self, buf: SwMr) -> Completion<(SwMr, usize)> {
+        let len = buf.len();
+        SwVerbs::completion(VerbOp::Recv, self.post(VerbOp::Recv, buf, len, None))
+    }
+
+    fn post_send(&self, buf: SwMr, len: usize) -> Completion<SwMr> {
+        let done = SwVerbs::completion(VerbOp::Send, self.post(VerbOp::Send, buf, len, None));
+        Box::pin(async move { done.await.map(|(b, _)| b) })
+    }
+
+    fn post_read(&self, buf: SwMr, remote: RemoteRegion) -> Completion<SwMr> {
+        let len = remote.len as usize;
+        let rx = self.post(VerbOp::Read, buf, len, Some(remote));
+        let done = SwVerbs::completion(VerbOp::Read, rx);
+        Box::pin(async move { done.await.map(|(b, _)| b) })
+    }
+
+    fn post_write(&self, buf: SwMr, remote: RemoteRegion) -> Completion<SwMr> {
+        let len = remote.len as usize;
+        let rx = self.post(VerbOp::Write, buf, len, Some(remote));
+        let done = SwVerbs::completion(VerbOp::Write, rx);
+        Box::pin(async move { done.await.map(|(b, _)| b) })
+    }
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Set-up
+// ---------------------------------------------------------------------------------------
+
+/// Opens the device, creates a queue pair and connects it with the peer's over `tcp`.
+async fn handshake(
+    tcp: &mut tokio::net::TcpStream,
+    cfg: &super::RdmaConfig,
+    t: Duration,
+    peer: &str,
+) -> Result<SwVerbs> {
+    let dev = open(&Placement::from_env()?)?;
+    let (verbs, ours) = SwVerbs::new(&dev, cfg.recv_slots + 16, peer)?;
+    let theirs = setup::exchange(tcp, ours, t).await?;
+    verbs.connect(&theirs, &dev)?;
+    Ok(verbs)
+}
+
+pub(crate) async fn connect(host: &str, port: u16, cfg: &Config) -> Result<Parts> {
+    devices()?;
+    let rcfg = super::config(cfg);
+    rcfg.validate()?;
+    let url = format!("rdma://{host}:{port}");
+    let mut tcp = tokio::time::timeout(
+        cfg.connect_timeout,
+        tokio::net::TcpStream::connect((host, port)),
+    )
+    .await
+    .map_err(|_| Error::new(ErrorKind::TimedOut, format!("connecting to {url}")))?
+    .map_err(|e| Error::io(format!("connecting to {url}"), e))?;
+    let verbs = handshake(&mut tcp, &rcfg, cfg.handshake_timeout, &url).await?;
+    super::establish(
+        Arc::new(verbs),
+        rcfg,
+        cfg.handshake_timeout,
+        url.clone(),
+        url,
+    )
+    .await
+}
+
+pub(crate) async fn bind(
+    host: &str,
+    port: u16,
+    cfg: &Config,
+) -> Result<(Box<dyn AcceptHalf>, String)> {
+    devices()?;
+    let rcfg = super::config(cfg);
+    rcfg.validate()?;
+    let listener = tokio::net::TcpListener::bind((host, port))
+        .await
+        .map_err(|e| Error::io(format!("binding rdma://{host}:{port}"), e))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| Error::io("rdma listener address", e))?;
+    let url = format!("rdma://{local}");
+    let (tx, rx) = mpsc::channel(cfg.accept_backlog.max(1));
+    // Set-ups in progress are bounded: each opens a queue pair and pins its buffers before
+    // the peer has proved anything.
+    let setups = Arc::new(tokio::sync::Semaphore::new(cfg.accept_backlog.max(1)));
+    let cfg = cfg.clone();
+    let local_url = url.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok(permit) = setups.clone().acquire_owned().await else {
+                return;
+            };
+            let (mut tcp, from) = tokio::select! {
+                () = tx.closed() => return,
+                r = listener.accept() => match r {
+                    Ok(x) => x,
+                    Err(e) => {
+                        tracing::warn!(url = %local_url, "accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let (tx, rcfg, cfg, local_url) =
+                (tx.clone(), rcfg.clone(), cfg.clone(), local_url.clone());
+            tokio::spawn(async move {
+                let peer = format!("rdma://{from}");
+                let r = async {
+                    let verbs = handshake(&mut tcp, &rcfg, cfg.handshake_timeout, &peer).await?;
+                    super::establish(
+                        Arc::new(verbs),
+                        rcfg,
+                        cfg.handshake_timeout,
+                        local_url.clone(),
+                        peer.clone(),
+                    )
+                    .await
+                }
+                .await;
+                drop(permit);
+                match r {
+                    Ok(parts) => {
+                        let _ = tx.send(parts).await;
+                    }
+                    Err(e) => tracing::warn!(url = %local_url, "rejected RDMA connection: {e}"),
+                }
+            });
+        }
+    });
+    Ok((Box::new(SwAccept { rx }), url))
+}
+
+struct SwAccept {
+    rx: mpsc::Receiver<Parts>,
+}
+
+impl AcceptHalf for SwAccept {
+    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Parts>> {
+        self.rx.poll_recv(cx).map(|p| {
+            p.ok_or_else(|| Error::new(ErrorKind::Unavailable, "the rdma accept task has stopped"))
+        })
+    }
+
+    fn rejected(&self) -> u64 {
+        0
+    }
+}
