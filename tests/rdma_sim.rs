@@ -719,6 +719,7 @@ mod props {
                 len: 8,
                 rkey: 1,
             },
+            beat_ms: 1000,
         }
     }
 

@@ -219,9 +219,11 @@ impl ContextBuilder {
         self
     }
 
-    /// Heartbeats (`tcp://`, `shm://`): each side is heard from at least every `interval`
-    /// while it can write (a 24-byte `HEARTBEAT` frame on tcp, a counter in the shared segment
-    /// on shm, when it has nothing else to send), and a peer that promised so is declared lost
+    /// Heartbeats (`tcp://`, `shm://`, `rdma://`): each side is heard from at least every
+    /// `interval` while it can write (a 24-byte `HEARTBEAT` frame on tcp, a counter in the
+    /// shared segment on shm, when it has nothing else to send; on rdma a counter in the
+    /// region the peer's keepalive reads, advanced every
+    /// [`rdma_keepalive`](Self::rdma_keepalive) instead), and a peer that promised so is declared lost
     /// after `misses` of its intervals with nothing heard: both halves fail with
     /// [`ErrorKind::ConnectionLost`] naming the peer and how long it was silent. Silence
     /// counts only while this side reads, so a receiver that stops reading (backpressure)

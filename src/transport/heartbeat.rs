@@ -61,27 +61,30 @@ impl Liveness {
 
     /// The silence watch, if the peer promised to be heard from.
     pub(crate) fn silence(&self, now: Instant) -> Option<Silence> {
-        self.watch.map(|(interval, misses)| Silence {
-            limit: interval.saturating_mul(misses),
-            seen: 0,
-            since: now,
-        })
+        self.watch
+            .map(|(interval, misses)| Silence::new(interval.saturating_mul(misses), now))
     }
 
     /// The error both halves report when the peer was silent for `silent`. `who` names the
     /// channel: its transport and the peer's address.
     pub(crate) fn lost(&self, who: &str, silent: Duration) -> Error {
         let (interval, misses) = self.watch.unwrap_or_default();
-        Error::new(
-            ErrorKind::ConnectionLost,
-            format!(
-                "{who} was silent for {silent:.1?}: nothing arrived, not even a heartbeat, \
-                 although it promised one at least every {interval:?} (lost after {misses} \
-                 intervals). Is it frozen (stopped, deadlocked, its runtime blocked) or cut off? \
-                 (ContextBuilder::heartbeat)"
-            ),
-        )
+        lost(who, silent, interval, misses)
     }
+}
+
+/// The error both halves report when the peer, which promised to be heard from every
+/// `interval`, was silent for `silent` (more than `misses` intervals).
+pub(crate) fn lost(who: &str, silent: Duration, interval: Duration, misses: u32) -> Error {
+    Error::new(
+        ErrorKind::ConnectionLost,
+        format!(
+            "{who} was silent for {silent:.1?}: nothing arrived, not even a heartbeat, \
+             although it promised one at least every {interval:?} (lost after {misses} \
+             intervals). Is it frozen (stopped, deadlocked, its runtime blocked) or cut off? \
+             (ContextBuilder::heartbeat)"
+        ),
+    )
 }
 
 /// Tracks how long the peer has been silent while we listened.
@@ -95,6 +98,15 @@ pub(crate) struct Silence {
 }
 
 impl Silence {
+    /// Silence longer than `limit` fails the peer; counted from `now`.
+    pub(crate) fn new(limit: Duration, now: Instant) -> Silence {
+        Silence {
+            limit,
+            seen: 0,
+            since: now,
+        }
+    }
+
     /// Looks at time `now`. `heard` is a count that grows whenever something arrives from the
     /// peer (bytes, a frame, a heartbeat); `listening` whether this side is reading now (not
     /// holding back to backpressure the peer). `Err(silent)` once the peer has been silent

@@ -15,7 +15,7 @@ use crate::url::Endpoint;
 use crate::wire::Limits;
 use crate::{BodyMut, Error, ErrorKind, Message};
 
-#[cfg(any(feature = "tcp", feature = "shm"))]
+#[cfg(any(feature = "tcp", feature = "shm", feature = "rdma"))]
 pub(crate) mod heartbeat;
 #[cfg(feature = "inproc")]
 mod inproc;

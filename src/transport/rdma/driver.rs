@@ -13,7 +13,11 @@
 //! A keepalive RDMA read of the peer's 8-byte keepalive region runs when the connection has
 //! been idle for the keepalive interval: a dead peer answers no read, the read fails with
 //! "transport retries exceeded", and both halves report `ConnectionLost` (a queue pair with
-//! only receives posted would otherwise never notice).
+//! only receives posted would otherwise never notice). The region is also the peer's
+//! heartbeat: its driver advances the counter there every keepalive interval while it runs.
+//! A NIC answers reads for a process that is stopped or deadlocked, so a read that succeeds
+//! is not enough: a counter that stands still for `heartbeat_misses` of the peer's
+//! intervals (while we are idle, so probing) fails the connection as a frozen peer.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -31,6 +35,7 @@ use super::proto::{self, Connection, Params, ProtoError, ReadRequest};
 use super::verbs::{Access, Region, Verbs, VerbsError};
 use crate::error::Result;
 use crate::message::{Body, BodyMut, LeaseTag, LentMut};
+use crate::transport::heartbeat::{self, Silence};
 use crate::transport::{RecvHalf, SendHalf};
 use crate::wire::Limits;
 use crate::{Error, ErrorKind, Message};
@@ -59,8 +64,13 @@ pub struct RdmaConfig {
     /// always admitted. Default 16 MiB: a receiver that keeps up then reuses a few pool
     /// buffers, which stay in the CPU's cache.
     pub recv_queue_bytes: usize,
-    /// Idle time after which the peer is probed. Default 1 s.
+    /// Idle time after which the peer is probed, and how often this side's heartbeat
+    /// counter advances. Default 1 s.
     pub keepalive: Duration,
+    /// Intervals of the peer's heartbeat counter standing still (seen by the probes) after
+    /// which it is declared frozen; 0 turns the watch off (and the counter: the `HELLO`
+    /// then announces none). Default 10.
+    pub heartbeat_misses: u32,
     /// What this side accepts.
     pub limits: Limits,
 }
@@ -75,6 +85,7 @@ impl Default for RdmaConfig {
             recv_queue: 64,
             recv_queue_bytes: 16 << 20,
             keepalive: Duration::from_secs(1),
+            heartbeat_misses: 10,
             limits: Limits::default(),
         }
     }
@@ -189,7 +200,12 @@ pub(crate) struct Driver<V: Verbs> {
     rx_pending: usize,
     /// Body bytes of the reads posted and not yet completed.
     reading_bytes: usize,
-    _keepalive_src: V::Mr,
+    /// Our heartbeat: a counter at `beat_off` of this region, which the peer reads.
+    beat_src: V::Mr,
+    beat_off: usize,
+    beat: u64,
+    /// The peer's heartbeat, once its `HELLO` promised one: how long it stood still.
+    silence: Option<Silence>,
     ka_buf: Option<V::Mr>,
     ka_timer: Pin<Box<tokio::time::Sleep>>,
     ka_in_flight: bool,
@@ -238,13 +254,23 @@ impl<V: Verbs> Driver<V> {
                 .register(len, access)
                 .map_err(|e| verbs_error(e, &peer))
         };
-        let keepalive_src = reg(8, Access::REMOTE_READ)?;
+        // 16 bytes, so that an aligned 8-byte counter fits whatever the backend's alignment.
+        let beat_src = reg(16, Access::REMOTE_READ)?;
+        let beat_off = beat_src.as_slice().as_ptr().align_offset(8);
         let ka_buf = reg(8, Access::LOCAL)?;
+        let beat_ms = if cfg.heartbeat_misses > 0 {
+            u32::try_from(cfg.keepalive.as_millis())
+                .unwrap_or(u32::MAX)
+                .max(1)
+        } else {
+            0
+        };
         let params = Params {
             recv_slots: cfg.recv_slots,
             slot_size: cfg.slot_size,
             limits: cfg.limits,
-            keepalive: keepalive_src.remote(0, 8),
+            keepalive: beat_src.remote(beat_off, 8),
+            beat_ms,
         };
         let ops = FuturesUnordered::new();
         for _ in 0..cfg.recv_slots {
@@ -274,7 +300,10 @@ impl<V: Verbs> Driver<V> {
             reading: HashMap::new(),
             rx_pending: 0,
             reading_bytes: 0,
-            _keepalive_src: keepalive_src,
+            beat_src,
+            beat_off,
+            beat: 0,
+            silence: None,
             ka_buf: Some(ka_buf),
             ka_timer: Box::pin(tokio::time::sleep(cfg.keepalive)),
             ka_in_flight: false,
@@ -310,7 +339,10 @@ impl<V: Verbs> Driver<V> {
         // Completions.
         while let Poll::Ready(Some(done)) = self.ops.poll_next_unpin(cx) {
             progress = true;
-            self.active = true;
+            // Our own probe is not traffic: it must not restart the silence it measures.
+            if !matches!(done, Done::Keepalive(_)) {
+                self.active = true;
+            }
             // A flushed operation did not fail by itself: remember, and look for the cause.
             let flushed = match &done {
                 Done::Recv(Err(e))
@@ -360,7 +392,11 @@ impl<V: Verbs> Driver<V> {
                 }
                 Done::Keepalive(r) => {
                     self.ka_in_flight = false;
-                    self.ka_buf = Some(r.map_err(|e| verbs_error(e, &peer))?);
+                    let buf = r.map_err(|e| verbs_error(e, &peer))?;
+                    let mut v = [0u8; 8];
+                    v.copy_from_slice(&buf.as_slice()[..8]);
+                    self.ka_buf = Some(buf);
+                    self.heard(u64::from_ne_bytes(v), true)?;
                 }
             }
         }
@@ -574,11 +610,60 @@ impl<V: Verbs> Driver<V> {
             && self.reading.is_empty()
     }
 
-    fn keepalive(&mut self, cx: &mut Context<'_>) {
+    /// The peer's heartbeat counter read `beat` (`probed`), or traffic came (not probed:
+    /// the silence starts again). `Err` once the counter stood still too long.
+    fn heard(&mut self, beat: u64, probed: bool) -> Result<()> {
+        if self.silence.is_none()
+            && self.cfg.heartbeat_misses > 0
+            && let Some(p) = self.conn.peer()
+            && p.beat_ms > 0
+        {
+            let interval = Duration::from_millis(p.beat_ms.into());
+            let limit = interval.saturating_mul(self.cfg.heartbeat_misses);
+            self.silence = Some(Silence::new(limit, std::time::Instant::now()));
+        }
+        let Some(s) = &mut self.silence else {
+            return Ok(());
+        };
+        if let Err(silent) = s.check(std::time::Instant::now(), beat, probed) {
+            let p = self.conn.peer().copied().expect("watched after HELLO");
+            let who = format!("the RDMA peer {}", self.sh.peer);
+            let interval = Duration::from_millis(p.beat_ms.into());
+            return Err(heartbeat::lost(
+                &who,
+                silent,
+                interval,
+                self.cfg.heartbeat_misses,
+            ));
+        }
+        Ok(())
+    }
+
+    /// Advances our heartbeat counter, where the peer reads it.
+    fn beat(&mut self) {
+        self.beat += 1;
+        let at = &mut self.beat_src.as_mut_slice()[self.beat_off..self.beat_off + 8];
+        let ptr = at.as_mut_ptr().cast::<u64>();
+        // SAFETY: `ptr` is 8-byte aligned (`beat_off`) and in bounds, in registered memory
+        // this driver owns for the connection's life. The peer's NIC (or the simulation's
+        // 8-byte atomic copy) reads it concurrently: the store is atomic, so a read sees the
+        // old or the new count, and nothing here reads it back.
+        let counter = unsafe { std::sync::atomic::AtomicU64::from_ptr(ptr) };
+        counter.store(self.beat, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn keepalive(&mut self, cx: &mut Context<'_>) -> Result<()> {
         if self.ka_timer.as_mut().poll(cx).is_pending() {
-            return;
+            return Ok(());
+        }
+        if self.cfg.heartbeat_misses > 0 {
+            self.beat();
         }
         let idle = !std::mem::take(&mut self.active);
+        if !idle {
+            // Traffic is proof of life: the silence starts again.
+            self.heard(0, false)?;
+        }
         if idle
             && let Some(p) = self.conn.peer().copied()
             && let Some(buf) = self.ka_buf.take()
@@ -592,6 +677,7 @@ impl<V: Verbs> Driver<V> {
         self.ka_timer.as_mut().reset(next);
         // Register the timer's waker.
         let _ = self.ka_timer.as_mut().poll(cx);
+        Ok(())
     }
 }
 
@@ -627,7 +713,9 @@ impl<V: Verbs> Future for Driver<V> {
                     return this.fail(Error::new(ErrorKind::Closed, "the channel was dropped"));
                 }
             }
-            this.keepalive(cx);
+            if let Err(e) = this.keepalive(cx) {
+                return this.fail(e);
+            }
             return Poll::Pending;
         }
     }

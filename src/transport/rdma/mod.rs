@@ -52,6 +52,11 @@ pub(crate) fn config(cfg: &Config) -> RdmaConfig {
         recv_queue: cfg.recv_queue,
         recv_queue_bytes: cfg.recv_queue_bytes,
         keepalive: cfg.rdma_keepalive,
+        heartbeat_misses: if cfg.heartbeat.is_some() {
+            cfg.heartbeat_misses
+        } else {
+            0
+        },
         limits: cfg.limits,
     }
 }
@@ -255,5 +260,84 @@ pub(crate) async fn bind(
         Backend::Sideway => sideway::bind(host, port, cfg).await,
         #[cfg(feature = "rdma-async-rdma")]
         Backend::AsyncRdma => async_rdma::bind(host, port, cfg).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::task::Poll;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::{Channel, Message};
+
+    /// Polls `inner` until `frozen` is set, then never again (without dropping it): a
+    /// driver whose process stopped. Its memory stays registered and the simulated NIC
+    /// keeps answering reads of it, as a real one does.
+    struct Freezable {
+        inner: Pin<Box<dyn Future<Output = ()> + Send>>,
+        frozen: Arc<AtomicBool>,
+    }
+
+    impl Future for Freezable {
+        type Output = ();
+        fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<()> {
+            if self.frozen.load(Ordering::Relaxed) {
+                return Poll::Pending;
+            }
+            let r = self.inner.as_mut().poll(cx);
+            if r.is_pending() {
+                // Look again soon: the flag is not a waker.
+                let w = cx.waker().clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    w.wake();
+                });
+            }
+            r
+        }
+    }
+
+    #[tokio::test]
+    async fn a_frozen_peer_is_found_by_its_heartbeat_counter() {
+        let cfg = RdmaConfig {
+            keepalive: Duration::from_millis(20),
+            heartbeat_misses: 4,
+            ..RdmaConfig::default()
+        };
+        let (a, b) = sim::pair(sim::SimConfig::default());
+        let pa = prepare(Arc::new(a), cfg.clone(), "rdma+sim://frozen#b".into()).unwrap();
+        let pb = prepare(Arc::new(b), cfg, "rdma+sim://frozen#a".into()).unwrap();
+        let sa = pa.spawn();
+        let frozen = Arc::new(AtomicBool::new(false));
+        tokio::spawn(Freezable {
+            inner: pb.run,
+            frozen: frozen.clone(),
+        });
+        let t = Duration::from_secs(5);
+        let (ca, cb) = tokio::join!(finish(sa, t, "a".into()), finish(pb.started, t, "b".into()));
+        let (mut ca, mut cb) = (
+            Channel::from_parts(ca.unwrap()),
+            Channel::from_parts(cb.unwrap()),
+        );
+        // Alive and idle for many times the limit (80 ms): the counter keeps it.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        ca.send(Message::new("still.here").unwrap()).await.unwrap();
+        assert_eq!(cb.recv().await.unwrap().unwrap().kind(), "still.here");
+
+        let at = Instant::now();
+        frozen.store(true, Ordering::Relaxed);
+        let e = tokio::time::timeout(t, ca.recv())
+            .await
+            .expect("a frozen peer must be found")
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::ConnectionLost, "{e}");
+        assert!(e.to_string().contains("silent for"), "{e}");
+        let e = ca.send(Message::new("x").unwrap()).await.unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::ConnectionLost, "{e}");
+        assert!(at.elapsed() < t);
+        drop(cb);
     }
 }

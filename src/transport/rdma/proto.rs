@@ -35,7 +35,9 @@
 //! HELLO   24  8 magic "HFRDMA\0\0"   32 2 version (1)   34 2 reserved
 //!         36  4 recv_slots           40 4 slot_size      44 4 max_meta_bytes
 //!         48  8 max_body             56 2 max_meta_entries  58 2 reserved  60 4 keepalive rkey
-//!         64  8 keepalive addr       (72 bytes; a reader ignores bytes past those it knows)
+//!         64  8 keepalive addr       72 4 beat_ms        76 4 reserved
+//!         (80 bytes; a reader ignores bytes past those it knows, and takes beat_ms as 0 from a
+//!         72-byte HELLO)
 //! EAGER   24  8 correlation          32 8 body_len, then type, meta, body (all in this message)
 //! RTS     24  8 correlation          32 8 body_len      40 8 rendezvous id
 //!         48  8 body addr            56 4 body rkey     60 4 reserved, then type, meta
@@ -114,7 +116,7 @@ pub const VERSION: u16 = 1;
 /// Length of the common header.
 pub const HEADER_LEN: usize = 24;
 /// Length of a `HELLO`.
-pub const HELLO_LEN: usize = 72;
+pub const HELLO_LEN: usize = 80;
 /// Length of the fixed part of an `EAGER`.
 pub const EAGER_FIXED: usize = 40;
 /// Length of the fixed part of an `RTS`.
@@ -169,8 +171,12 @@ pub struct Params {
     pub slot_size: u32,
     /// What this side accepts.
     pub limits: Limits,
-    /// An 8-byte region the peer may read to check that this side is alive.
+    /// An 8-byte region the peer may read to check that this side is alive: a counter this
+    /// side's driver advances every `beat_ms` while it runs (its heartbeat).
     pub keepalive: RemoteRegion,
+    /// How often the counter advances, in milliseconds; 0: it does not (the peer may probe
+    /// the region, but must not read a still counter as a frozen side).
+    pub beat_ms: u32,
 }
 
 /// A protocol violation by the peer, or a limit it broke.
@@ -346,7 +352,7 @@ pub fn decode<'a>(b: &'a [u8], limits: &Limits) -> Result<(Head, Decoded<'a>), P
     }
     let d = match kind {
         Kind::Hello => {
-            if b.len() < HELLO_LEN {
+            if b.len() < 72 {
                 return Err(ProtoError::Malformed("HELLO"));
             }
             if b[24..32] != MAGIC {
@@ -373,6 +379,7 @@ pub fn decode<'a>(b: &'a [u8], limits: &Limits) -> Result<(Head, Decoded<'a>), P
                     len: 8,
                     rkey: u32_at(b, 60),
                 },
+                beat_ms: if b.len() >= 76 { u32_at(b, 72) } else { 0 },
             };
             if p.recv_slots < MIN_SLOTS || p.recv_slots > 1 << 16 {
                 return Err(ProtoError::BadParams(format!(
@@ -512,6 +519,8 @@ pub fn encode_hello(out: &mut [u8], p: &Params) -> usize {
     out[58..60].fill(0);
     out[60..64].copy_from_slice(&p.keepalive.rkey.to_le_bytes());
     out[64..72].copy_from_slice(&p.keepalive.addr.to_le_bytes());
+    out[72..76].copy_from_slice(&p.beat_ms.to_le_bytes());
+    out[76..80].fill(0);
     HELLO_LEN
 }
 
@@ -1143,6 +1152,7 @@ mod tests {
                 len: 8,
                 rkey: 7,
             },
+            beat_ms: 1000,
         }
     }
 

@@ -488,6 +488,24 @@ fn dma(src: &SimMem, src_off: usize, dst: &SimMem, dst_off: usize, len: usize) {
     if len == 0 {
         return;
     }
+    let (src_p, dst_p) = (
+        src.ptr.as_ptr().wrapping_add(src_off),
+        dst.ptr.as_ptr().wrapping_add(dst_off),
+    );
+    if len == 8 && src_p.align_offset(8) == 0 && dst_p.align_offset(8) == 0 {
+        // An aligned 8-byte copy is atomic, as a NIC's is: a heartbeat counter its owner
+        // advances while the peer reads it is read whole, without a data race.
+        // SAFETY: both are in bounds (checked by the caller), 8-byte aligned, and every
+        // concurrent access to such a counter is atomic (`Driver::beat`); other 8-byte
+        // buffers are owned by the operation, so no one else touches them now.
+        unsafe {
+            let v = std::sync::atomic::AtomicU64::from_ptr(src_p.cast::<u64>())
+                .load(std::sync::atomic::Ordering::Relaxed);
+            std::sync::atomic::AtomicU64::from_ptr(dst_p.cast::<u64>())
+                .store(v, std::sync::atomic::Ordering::Relaxed);
+        }
+        return;
+    }
     // SAFETY: both ranges were bounds-checked by the caller against their allocations,
     // which are alive (`&SimMem`). The destination is owned by the operation doing the copy
     // (a posted receive, a read's local buffer) or registered for remote write; the source
