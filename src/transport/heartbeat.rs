@@ -11,17 +11,20 @@
 //! The transports own the clock and the I/O; this module holds the arithmetic, so that it is
 //! the same on every transport and testable without time passing.
 
-use std::future::Future;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use futures_util::future::poll_fn;
-
-use crate::transport::Config;
 use crate::{Error, ErrorKind};
+#[cfg(any(feature = "tcp", feature = "shm"))]
+use {
+    crate::transport::Config,
+    futures_util::future::poll_fn,
+    std::future::Future,
+    std::pin::Pin,
+    std::task::{Context, Poll},
+};
 
 /// What one connection does about heartbeats, settled once both handshakes are in.
+#[cfg(any(feature = "tcp", feature = "shm"))]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Liveness {
     /// Send a heartbeat when nothing else went out for this long (set only when the peer
@@ -35,6 +38,7 @@ pub(crate) struct Liveness {
     pub(crate) tick: Option<Duration>,
 }
 
+#[cfg(any(feature = "tcp", feature = "shm"))]
 impl Liveness {
     /// For a connection with our settings in `cfg`, whose peer understands heartbeats (or
     /// not) and promised `peer_interval` (or nothing). Heartbeats off in `cfg` turn off both
@@ -130,12 +134,14 @@ impl Silence {
     }
 }
 
+#[cfg(any(feature = "tcp", feature = "shm"))]
 /// A periodic wake-up of a connection's loop: one timer for its whole life, re-armed when it
 /// fires (no timer per read or write). Without a period it never fires.
 pub(crate) struct Tick {
     sleep: Option<(Pin<Box<tokio::time::Sleep>>, Duration)>,
 }
 
+#[cfg(any(feature = "tcp", feature = "shm"))]
 impl Tick {
     pub(crate) fn new(period: Option<Duration>) -> Tick {
         Tick {
@@ -161,7 +167,7 @@ impl Tick {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, any(feature = "tcp", feature = "shm")))]
 mod tests {
     use super::*;
 
