@@ -235,14 +235,22 @@ impl fmt::Debug for Error {
     }
 }
 
+/// `{}` prints this error alone (its kind and detail); its cause, if any, is
+/// [`source`](std::error::Error::source), so that error reporters (anyhow, eyre, tracing's
+/// error fields) print each cause once. `{:#}` prints the whole chain on one line, separated
+/// by `: `, for a log line or a terminal.
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.inner.kind)?;
         if !self.inner.detail.is_empty() {
             write!(f, ": {}", self.inner.detail)?;
         }
-        if let Some(src) = &self.inner.source {
-            write!(f, ": {src}")?;
+        if f.alternate() {
+            let mut next = std::error::Error::source(self);
+            while let Some(src) = next {
+                write!(f, ": {src}")?;
+                next = src.source();
+            }
         }
         Ok(())
     }
@@ -293,7 +301,7 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::ConnectionRefused);
         assert!(
             e.to_string().starts_with("connection refused: connect"),
-            "{e}"
+            "{e:#}"
         );
         let e = Error::io("read", io::Error::from(io::ErrorKind::PermissionDenied));
         assert_eq!(e.kind(), ErrorKind::Io);

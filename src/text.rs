@@ -72,7 +72,7 @@ mod tests {
             assert!(!e.contains(c), "{:?} kept raw", c);
             assert!(
                 e.starts_with('x') && e.ends_with('y') && e.contains('\\'),
-                "{e}"
+                "{e:#}"
             );
         }
         for s in ["plain", "naïve café", "相机 0", "a\"b'c\\d", "tab-free"] {

@@ -273,7 +273,7 @@ mod tests {
         ] {
             let e = Endpoint::parse(url).unwrap_err();
             assert_eq!(e.kind(), kind, "{url}");
-            assert!(e.to_string().contains(needle), "{url}: {e}");
+            assert!(e.to_string().contains(needle), "{url}: {e:#}");
         }
     }
 }

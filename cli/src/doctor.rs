@@ -183,7 +183,7 @@ pub(crate) async fn run(args: DoctorArgs) -> Result<(), Failure> {
     match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
         // `hf doctor | head`: the reader has what it wanted.
         Err(e) if e.kind() != io::ErrorKind::BrokenPipe => {
-            Err(Failure::runtime(format!("writing to stdout: {e}")))
+            Err(Failure::runtime(format!("writing to stdout: {e:#}")))
         }
         _ => Ok(()),
     }
@@ -464,7 +464,7 @@ fn check_io_uring(host: &Host, env: &Env, probe: Probe) -> Finding {
         Probe::Failed(e) => Finding::new(
             CHECK,
             Status::Error,
-            format!("the tcp:// loopback probe failed: {e} ({facts})"),
+            format!("the tcp:// loopback probe failed: {e:#} ({facts})"),
         ),
     };
     if let Some(v) = forced {
@@ -862,7 +862,7 @@ fn check_uverbs(host: &Host, ports: &[RdmaPort]) -> Vec<Finding> {
                 Err(e) => Finding::new(
                     CHECK,
                     Status::Warn,
-                    format!("/dev/infiniband/{node} ({ibdev}) cannot be opened: {e}"),
+                    format!("/dev/infiniband/{node} ({ibdev}) cannot be opened: {e:#}"),
                 )
                 .fix(format!(
                     "sudo chmod 666 /dev/infiniband/{node}    (until reboot)\n\
@@ -1580,7 +1580,7 @@ fn check_shm(host: &Host, env: &Env, probe: Probe) -> Finding {
             Finding::new(
                 CHECK,
                 Status::Warn,
-                format!("shm:// loopback through {dir} failed: {e}"),
+                format!("shm:// loopback through {dir} failed: {e:#}"),
             )
             .fix(fix)
         }

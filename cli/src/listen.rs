@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use hyperframes::{Channel, Context, Endpoint};
+use hyperframes::{Channel, Context};
 use tokio::task::JoinSet;
 
 use crate::output::{Printer, json_line};
@@ -36,7 +36,8 @@ const DRAIN_GRACE: Duration = Duration::from_secs(5);
 /// Arguments of `hf listen`.
 #[derive(Debug, Args)]
 pub(crate) struct ListenArgs {
-    /// Where to listen: tcp://HOST:PORT (port 0 picks a free one) or inproc://NAME.
+    /// Where to listen: tcp://HOST:PORT (port 0 picks a free one), shm://NAME or
+    /// shm:///PATH.sock.
     #[arg(value_name = "URL")]
     url: String,
 
@@ -62,14 +63,14 @@ pub(crate) struct ListenArgs {
 
 /// Runs `hf listen`.
 pub(crate) async fn run(args: ListenArgs) -> Result<(), Failure> {
-    Endpoint::parse(&args.url).map_err(Failure::usage)?;
+    crate::reachable(&args.url)?;
     let max_body =
-        parse_size(&args.max_body).map_err(|e| Failure::usage(format!("bad --max-body {e}")))?;
+        parse_size(&args.max_body).map_err(|e| Failure::usage(format!("bad --max-body {e:#}")))?;
     let ctx = build_context(Context::builder().max_body(max_body))?;
     let mut listener = ctx
         .bind(&args.url)
         .await
-        .map_err(|e| Failure::runtime(format!("cannot listen on {}: {e}", args.url)))?;
+        .map_err(|e| Failure::runtime(format!("cannot listen on {}: {e:#}", args.url)))?;
     // Catch Ctrl-C from now on, before saying that we listen.
     let interrupted = interrupted()?;
     eprintln!("listening on {}", listener.local_url());
@@ -91,7 +92,7 @@ pub(crate) async fn run(args: ListenArgs) -> Result<(), Failure> {
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => {
                 let ch = accepted.map_err(|e| {
-                    Failure::runtime(format!("listener on {} failed: {e}", listener.local_url()))
+                    Failure::runtime(format!("listener on {} failed: {e:#}", listener.local_url()))
                 })?;
                 connections.spawn(serve(ch, printer.clone(), args.echo));
             }
@@ -117,7 +118,7 @@ pub(crate) async fn run(args: ListenArgs) -> Result<(), Failure> {
 fn interrupted() -> Result<impl Future<Output = ()>, Failure> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut sigint = signal(SignalKind::interrupt())
-        .map_err(|e| Failure::runtime(format!("cannot catch Ctrl-C: {e}")))?;
+        .map_err(|e| Failure::runtime(format!("cannot catch Ctrl-C: {e:#}")))?;
     Ok(async move {
         sigint.recv().await;
     })
@@ -128,7 +129,7 @@ fn interrupted() -> Result<impl Future<Output = ()>, Failure> {
 fn interrupted() -> Result<impl Future<Output = ()>, Failure> {
     Ok(async {
         if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::warn!("cannot catch Ctrl-C: {e}");
+            tracing::warn!("cannot catch Ctrl-C: {e:#}");
             std::future::pending::<()>().await;
         }
     })
@@ -148,7 +149,7 @@ async fn serve(ch: Channel, printer: Arc<Printer>, echo: bool) {
         let msg = match next {
             Ok(msg) => msg,
             Err(e) => {
-                eprintln!("hf: connection from {peer}: {e}");
+                eprintln!("hf: connection from {peer}: {e:#}");
                 return;
             }
         };
@@ -169,9 +170,9 @@ async fn serve(ch: Channel, printer: Arc<Printer>, echo: bool) {
                 // that stopped receiving is worth a line of its own. Either way, keep
                 // printing what arrives.
                 if e.is_connection_lost() {
-                    tracing::debug!(%peer, "cannot echo: {e}");
+                    tracing::debug!(%peer, "cannot echo: {e:#}");
                 } else {
-                    eprintln!("hf: connection from {peer}: cannot echo: {e}");
+                    eprintln!("hf: connection from {peer}: cannot echo: {e:#}");
                 }
                 echoing = false;
             }

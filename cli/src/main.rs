@@ -50,7 +50,12 @@ Examples:
   hf doctor                 # is this host set up for speed? each finding with its fix
 
 URLs: tcp://HOST:PORT (IPv6 in brackets: tcp://[::1]:5555; port 0 picks a free port when
-listening), inproc://NAME (inside one process only).
+listening), shm://NAME or shm:///PATH.sock (two processes on this host, shared memory),
+rdma://HOST:PORT (feature rdma). inproc://NAME lives inside one process: hf listen and
+hf send refuse it, as no other process could reach it.
+
+Security: tcp:// is neither authenticated nor encrypted; bind to 127.0.0.1 or a trusted
+network. shm:// admits only this user's processes.
 
 Exit status: 0 success; 1 run-time failure (connection refused or lost, unreadable file,
 address in use); 2 bad command line (unknown flag, bad URL, type, metadata or size).
@@ -104,7 +109,7 @@ impl Failure {
     pub(crate) fn usage(message: impl fmt::Display) -> Failure {
         Failure {
             code: 2,
-            message: message.to_string(),
+            message: format!("{message:#}"),
         }
     }
 
@@ -112,16 +117,33 @@ impl Failure {
     pub(crate) fn runtime(message: impl fmt::Display) -> Failure {
         Failure {
             code: 1,
-            message: message.to_string(),
+            message: format!("{message:#}"),
         }
     }
 }
 
 /// Builds the context, reporting a bad `HYPERFRAMES_IO` (which `Context::new` would only log).
+/// A setting out of range, from the command line or the environment, is a usage error
+/// (status 2), as clap's own are.
 pub(crate) fn build_context(
     builder: hyperframes::ContextBuilder,
 ) -> Result<hyperframes::Context, Failure> {
-    builder.build().map_err(Failure::runtime)
+    builder.build().map_err(|e| match e.kind() {
+        hyperframes::ErrorKind::Config => Failure::usage(e),
+        _ => Failure::runtime(e),
+    })
+}
+
+/// `hf listen` and `hf send` run in a process of their own: an `inproc://` name there can
+/// never be reached by anyone else. Refused as a usage error, naming what to use instead.
+pub(crate) fn reachable(url: &str) -> Result<(), Failure> {
+    match hyperframes::Endpoint::parse(url).map_err(Failure::usage)? {
+        hyperframes::Endpoint::Inproc { .. } => Err(Failure::usage(format!(
+            "{url}: inproc:// channels exist inside one process, and no other process can reach \
+             this one's; use tcp://HOST:PORT, or shm://NAME between processes on this host"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// Runs `work` on a multi-threaded runtime.
@@ -129,7 +151,7 @@ fn multi_thread(work: impl Future<Output = Result<(), Failure>>) -> Result<(), F
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .map_err(|e| Failure::runtime(format!("cannot start a runtime: {e}")))?
+        .map_err(|e| Failure::runtime(format!("cannot start a runtime: {e:#}")))?
         .block_on(work)
 }
 

@@ -151,7 +151,7 @@ impl Printer {
             Err(e) => {
                 self.finish(
                     &mut state,
-                    Err(Failure::runtime(format!("writing to stdout: {e}"))),
+                    Err(Failure::runtime(format!("writing to stdout: {e:#}"))),
                 );
                 false
             }

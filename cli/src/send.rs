@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::Args;
-use hyperframes::{Body, Context, Endpoint, ErrorKind, Header, Message, Meta, MsgType};
+use hyperframes::{Body, Context, ErrorKind, Header, Message, Meta, MsgType};
 
 use crate::units::{SIZE_HELP, human_bytes, parse_size};
 use crate::{Failure, build_context};
@@ -29,7 +29,7 @@ Examples:
 /// Arguments of `hf send`.
 #[derive(Debug, Args)]
 pub(crate) struct SendArgs {
-    /// Where to connect: tcp://HOST:PORT or inproc://NAME.
+    /// Where to connect: tcp://HOST:PORT, shm://NAME or shm:///PATH.sock.
     #[arg(value_name = "URL")]
     url: String,
 
@@ -92,7 +92,7 @@ fn parse_meta(entries: &[String]) -> Result<Meta, Failure> {
             )));
         };
         meta.insert(key, value)
-            .map_err(|e| Failure::usage(format!("bad --meta {entry:?}: {e}")))?;
+            .map_err(|e| Failure::usage(format!("bad --meta {entry:?}: {e:#}")))?;
     }
     Ok(meta)
 }
@@ -114,7 +114,7 @@ impl BodySource {
 
 fn read_body(args: &SendArgs) -> Result<BodySource, Failure> {
     if let Some(size) = &args.size {
-        let n = parse_size(size).map_err(|e| Failure::usage(format!("bad --size {e}")))?;
+        let n = parse_size(size).map_err(|e| Failure::usage(format!("bad --size {e:#}")))?;
         return Ok(BodySource::Pattern(n));
     }
     let Some(path) = &args.file else {
@@ -127,15 +127,15 @@ fn read_body(args: &SendArgs) -> Result<BodySource, Failure> {
         std::fs::read(path)
     };
     read.map(|b| BodySource::Bytes(Bytes::from(b)))
-        .map_err(|e| Failure::runtime(format!("cannot read --file {}: {e}", path.display())))
+        .map_err(|e| Failure::runtime(format!("cannot read --file {}: {e:#}", path.display())))
 }
 
 /// Runs `hf send`.
 pub(crate) async fn run(args: SendArgs) -> Result<(), Failure> {
     // Everything that can be checked without the peer is checked before connecting.
-    Endpoint::parse(&args.url).map_err(Failure::usage)?;
+    crate::reachable(&args.url)?;
     let kind = MsgType::new(&args.kind)
-        .map_err(|e| Failure::usage(format!("bad --type {:?}: {e}", args.kind)))?;
+        .map_err(|e| Failure::usage(format!("bad --type {:?}: {e:#}", args.kind)))?;
     let meta = parse_meta(&args.meta)?;
     if !(args.linger.is_finite() && args.linger >= 0.0) {
         return Err(Failure::usage(format!(
@@ -155,7 +155,7 @@ pub(crate) async fn run(args: SendArgs) -> Result<(), Failure> {
                 args.url
             ))
         } else {
-            Failure::runtime(format!("cannot connect to {}: {e}", args.url))
+            Failure::runtime(format!("cannot connect to {}: {e:#}", args.url))
         }
     })?;
     let peer = ch.info().peer_url().to_owned();
@@ -166,7 +166,7 @@ pub(crate) async fn run(args: SendArgs) -> Result<(), Failure> {
     let limits = *ch.info().peer_limits();
     limits
         .check(&head)
-        .map_err(|e| Failure::runtime(format!("{peer} refuses these messages: {e}")))?;
+        .map_err(|e| Failure::runtime(format!("{peer} refuses these messages: {e:#}")))?;
     if source.len() > limits.max_body {
         return Err(Failure::runtime(format!(
             "{peer} refuses these messages: body of {} exceeds its max_body of {}",
@@ -196,7 +196,7 @@ pub(crate) async fn run(args: SendArgs) -> Result<(), Failure> {
         (received, None)
     });
 
-    let lost = |e: hyperframes::Error| Failure::runtime(format!("sending to {peer}: {e}"));
+    let lost = |e: hyperframes::Error| Failure::runtime(format!("sending to {peer}: {e:#}"));
     for _ in 0..args.count {
         tx.send(msg.clone()).await.map_err(lost)?;
     }
@@ -211,7 +211,7 @@ pub(crate) async fn run(args: SendArgs) -> Result<(), Failure> {
             Some(received)
         }
         Ok(Ok((received, Some(e)))) => {
-            tracing::debug!(%peer, received, "after the close: {e}");
+            tracing::debug!(%peer, received, "after the close: {e:#}");
             Some(received)
         }
         Ok(Err(join)) => {

@@ -843,6 +843,34 @@ fn doctor_json_lines() {
     assert_eq!(checks, DOCTOR_CHECKS, "{:#?}", out.stdout);
 }
 
+/// `inproc://` lives inside one process: `hf listen` and `hf send` refuse it (status 2),
+/// saying what to use, instead of listening where nobody can ever connect.
+#[test]
+fn inproc_is_refused_by_listen_and_send() {
+    for args in [
+        &["listen", "inproc://x"][..],
+        &["send", "inproc://x", "--type", "a.b"],
+    ] {
+        let out = hf().args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("shm://") && err.contains("tcp://"), "{err}");
+    }
+}
+
+/// A bad setting from the environment is a usage error too: status 2, one line naming it.
+#[test]
+fn a_bad_engine_in_the_environment_exits_2() {
+    let out = hf()
+        .args(["send", "tcp://127.0.0.1:1", "--type", "a.b"])
+        .env("HYPERFRAMES_IO", "bogus")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("HYPERFRAMES_IO=\"bogus\""), "{err}");
+}
+
 #[test]
 fn doctor_usage() {
     let out = run(&["doctor", "--frobnicate"]);

@@ -35,7 +35,7 @@ impl Context {
         match Context::builder().build() {
             Ok(ctx) => ctx,
             Err(e) => {
-                tracing::warn!("{e}; using defaults");
+                tracing::warn!("{e:#}; using defaults");
                 Context {
                     inner: Arc::new(Transports::new(Config::default())),
                 }
@@ -134,8 +134,8 @@ impl ContextBuilder {
         self
     }
 
-    /// The I/O engine. Default: `HYPERFRAMES_IO` if set (`uring`, `epoll`, `inline`, `auto`),
-    /// else [`IoEngine::Auto`]. Setting it here overrides the environment.
+    /// The I/O engine. Default: `HYPERFRAMES_IO` if set (`auto`, `inline`, `threads`, `uring`,
+    /// `epoll`), else [`IoEngine::Auto`]. Setting it here overrides the environment.
     pub fn io_engine(mut self, engine: IoEngine) -> Self {
         self.cfg.engine = engine;
         self.env_engine = Ok(engine);

@@ -38,7 +38,7 @@ pub struct ChannelInfo {
 }
 
 impl ChannelInfo {
-    /// The transport: `"tcp"`, `"inproc"`.
+    /// The transport: `"tcp"`, `"shm"`, `"inproc"`, `"rdma"` (also for `rdma+sim://`).
     pub fn transport(&self) -> &'static str {
         self.transport
     }
@@ -195,7 +195,7 @@ impl Sender {
             return Err(Error::new(
                 ErrorKind::LimitExceeded,
                 format!(
-                    "message of type {} not sent to {}: {e}",
+                    "message of type {} not sent to {}: {e:#}",
                     msg.kind(),
                     self.info.peer
                 ),

@@ -150,7 +150,7 @@ impl FanOut {
     pub fn key_hash(senders: impl IntoIterator<Item = Sender>, key: &str) -> Result<FanOut> {
         Meta::new()
             .insert(key, "")
-            .map_err(|e| Error::new(ErrorKind::Config, format!("fan-out key {key:?}: {e}")))?;
+            .map_err(|e| Error::new(ErrorKind::Config, format!("fan-out key {key:?}: {e:#}")))?;
         FanOut::new(senders, Policy::KeyHash(key.into()))
     }
 
@@ -248,7 +248,7 @@ impl FanOut {
                         let d = self.dests.remove(i);
                         self.dropped_destinations += 1;
                         tracing::warn!(
-                            "round-robin fan-out: destination {i} ({}) failed and leaves the rotation ({} left): {e}",
+                            "round-robin fan-out: destination {i} ({}) failed and leaves the rotation ({} left): {e:#}",
                             d.tx.info().peer_url(),
                             self.dests.len()
                         );

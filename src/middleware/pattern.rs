@@ -390,11 +390,11 @@ mod tests {
         ] {
             let e = TypePattern::new(p).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Config);
-            assert!(e.to_string().contains(why), "{p:?}: {e}");
+            assert!(e.to_string().contains(why), "{p:?}: {e:#}");
         }
         assert!(TypePattern::new(&"a".repeat(256)).is_err());
         let e = PatternSet::new(Vec::<&str>::new()).unwrap_err();
-        assert!(e.to_string().contains("at least one pattern"), "{e}");
+        assert!(e.to_string().contains("at least one pattern"), "{e:#}");
     }
 
     #[test]

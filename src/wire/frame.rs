@@ -553,7 +553,7 @@ mod tests {
         match d.decode(&mut src) {
             Err(e) => {
                 assert_eq!(e, FrameError::NoMemory { len: huge });
-                assert!(e.to_string().contains("lower max_body"), "{e}");
+                assert!(e.to_string().contains("lower max_body"), "{e:#}");
                 assert_eq!(d.decode(&mut src), Err(e), "the error is sticky");
             }
             Ok(None) => {

@@ -149,7 +149,7 @@ fn local_url(transport: &str) -> Option<String> {
 
 /// `64`, `4MiB`, or `A..B` (every power of two from A up to B).
 fn parse_sizes(items: &[String]) -> Result<Vec<usize>, Failure> {
-    let bad = |e: String| Failure::usage(format!("bad --size {e}"));
+    let bad = |e: String| Failure::usage(format!("bad --size {e:#}"));
     let mut sizes = Vec::new();
     for item in items {
         if let Some((a, b)) = item.split_once("..") {
@@ -258,7 +258,7 @@ fn pin(cpu: usize) -> Result<(), Failure> {
     }
     set.set(cpu);
     rustix::thread::sched_setaffinity(None, &set)
-        .map_err(|e| Failure::runtime(format!("cannot pin to CPU {cpu}: {e}")))
+        .map_err(|e| Failure::runtime(format!("cannot pin to CPU {cpu}: {e:#}")))
 }
 
 fn context(busy_poll: bool) -> Result<Context, Failure> {
@@ -279,7 +279,7 @@ pub(crate) fn main(args: BenchArgs) -> Result<(), Failure> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| Failure::runtime(format!("cannot start a runtime: {e}")))?;
+        .map_err(|e| Failure::runtime(format!("cannot start a runtime: {e:#}")))?;
     rt.block_on(async {
         match &args.serve {
             Some(url) => serve(&args, url).await,
@@ -296,7 +296,7 @@ async fn serve(args: &BenchArgs, url: &str) -> Result<(), Failure> {
     let mut listener = ctx
         .bind(url)
         .await
-        .map_err(|e| Failure::runtime(format!("cannot listen at {url}: {e}")))?;
+        .map_err(|e| Failure::runtime(format!("cannot listen at {url}: {e:#}")))?;
     // The runner waits for this line (stdout is line-buffered).
     say!("hf bench: serving {}", listener.local_url());
     loop {
@@ -308,14 +308,14 @@ async fn serve(args: &BenchArgs, url: &str) -> Result<(), Failure> {
         } else {
             listener.accept().await
         };
-        let ch = accepted.map_err(|e| Failure::runtime(format!("accepting at {url}: {e}")))?;
+        let ch = accepted.map_err(|e| Failure::runtime(format!("accepting at {url}: {e:#}")))?;
         let peer = ch.info().peer_url().to_owned();
         let served = proto::serve_channel(ch).await;
         match (served, args.once) {
             (Ok(()), true) => return Ok(()),
-            (Err(e), true) => return Err(Failure::runtime(format!("runner {peer}: {e}"))),
+            (Err(e), true) => return Err(Failure::runtime(format!("runner {peer}: {e:#}"))),
             (Ok(()), false) => eprintln!("hf bench: runner {peer} done"),
-            (Err(e), false) => eprintln!("hf bench: runner {peer}: {e}"),
+            (Err(e), false) => eprintln!("hf bench: runner {peer}: {e:#}"),
         }
     }
 }
@@ -328,7 +328,7 @@ impl PeerProcess {
     /// Starts the peer and returns it with the URL it listens at.
     fn spawn(url: &str, args: &BenchArgs) -> Result<(PeerProcess, String), Failure> {
         let exe = std::env::current_exe()
-            .map_err(|e| Failure::runtime(format!("cannot find the hf executable: {e}")))?;
+            .map_err(|e| Failure::runtime(format!("cannot find the hf executable: {e:#}")))?;
         let mut cmd = Command::new(exe);
         cmd.args(["bench", "--serve", url, "--once"]);
         if args.busy_poll {
@@ -342,7 +342,7 @@ impl PeerProcess {
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .map_err(|e| Failure::runtime(format!("cannot start the peer process: {e}")))?;
+            .map_err(|e| Failure::runtime(format!("cannot start the peer process: {e:#}")))?;
         let stdout = child.stdout.take().expect("piped");
         let peer = PeerProcess(child);
         let (tx, rx) = mpsc::channel();
@@ -421,7 +421,7 @@ async fn start_peer(
         let mut listener = ctx
             .bind(&url)
             .await
-            .map_err(|e| Failure::runtime(format!("cannot listen at {url}: {e}")))?;
+            .map_err(|e| Failure::runtime(format!("cannot listen at {url}: {e:#}")))?;
         let at = listener.local_url().to_owned();
         let pin_to = args.pin.get(1).copied();
         let thread = std::thread::spawn(move || {
@@ -577,7 +577,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
         let mut ch = match ctx.connect(&url).await {
             Ok(ch) => ch,
             Err(e) => {
-                bar.suspend(|| say!("{transport}: cannot connect to {url}: {e}"));
+                bar.suspend(|| say!("{transport}: cannot connect to {url}: {e:#}"));
                 failures += 1;
                 bar.inc(points.len() as u64);
                 continue;
@@ -634,7 +634,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
         if let Some(peer) = peer
             && let Err(e) = peer.finish()
         {
-            bar.suspend(|| say!("{transport}: {e}"));
+            bar.suspend(|| say!("{transport}: {e:#}"));
         }
     }
     bar.finish_and_clear();
@@ -661,7 +661,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
         );
     }
     for e in engines {
-        say!("note: {e}");
+        say!("note: {e:#}");
     }
 
     if let Some(path) = &args.json {
@@ -671,7 +671,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
             out.push('\n');
         }
         std::fs::write(path, out)
-            .map_err(|e| Failure::runtime(format!("cannot write {}: {e}", path.display())))?;
+            .map_err(|e| Failure::runtime(format!("cannot write {}: {e:#}", path.display())))?;
     }
     if let Some(path) = &args.plot {
         let title = format!(
@@ -684,7 +684,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
             settings_label(args)
         );
         plot::write_svg(path, &rows, &title)
-            .map_err(|e| Failure::runtime(format!("cannot plot to {}: {e}", path.display())))?;
+            .map_err(|e| Failure::runtime(format!("cannot plot to {}: {e:#}", path.display())))?;
     }
     let _ = std::io::stdout().flush();
     if failures > 0 {

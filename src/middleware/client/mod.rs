@@ -222,7 +222,7 @@ impl Inner {
             let n = st.pending.len();
             if n > 0 {
                 tracing::debug!(
-                    "client of {}: failing {n} requests in flight: {err}",
+                    "client of {}: failing {n} requests in flight: {err:#}",
                     self.peer
                 );
             }

@@ -500,7 +500,7 @@ impl MetaSchemaBuilder {
 
     fn key(mut self, key: &str, required: bool, value: Value) -> Self {
         if let Err(e) = Meta::new().insert(key, "") {
-            self.problems.push(format!("key {key:?}: {e}"));
+            self.problems.push(format!("key {key:?}: {e:#}"));
         } else if self.keys.iter().any(|r| *r.key == *key) {
             self.problems.push(format!("key {key:?} is given twice"));
         }

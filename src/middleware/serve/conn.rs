@@ -277,7 +277,7 @@ async fn respond<E: Into<BoxError>>(
             stats.errors.fetch_add(1, Ordering::Relaxed);
             if let Some(held) = stats.log.allow() {
                 tracing::warn!(
-                    "handler failed on a message of type `{}` from {peer}: {e}{}",
+                    "handler failed on a message of type `{}` from {peer}: {e:#}{}",
                     req.kind,
                     if held > 0 {
                         format!(" ({held} more failures since the last warning)")
@@ -300,7 +300,7 @@ async fn respond<E: Into<BoxError>>(
         Err(mut e) if e.kind() == ErrorKind::LimitExceeded => {
             // Too large for the peer: this reply is lost, the channel is fine.
             stats.errors.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!("response to {peer} not sent: {e}");
+            tracing::warn!("response to {peer} not sent: {e:#}");
             if req.header.flags.contains(Flags::REQUEST) {
                 drop(e.take_message());
                 let reason: BoxError = e.into();

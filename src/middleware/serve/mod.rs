@@ -448,7 +448,7 @@ async fn serve_one<F, S, E>(
         Ok(()) => tracing::debug!("channel with {peer} done"),
         Err(e) => {
             counters.failed.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!("channel with {peer} ended: {e}");
+            tracing::warn!("channel with {peer} ended: {e:#}");
         }
     }
 }

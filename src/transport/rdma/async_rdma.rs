@@ -43,7 +43,9 @@ pub(crate) fn devices() -> Result<Vec<String>> {
     match async_rdma::device::DeviceList::available() {
         Ok(list) if !list.is_empty() => Ok(names),
         Ok(_) => Err(setup::no_device("ibv_get_device_list returned no devices")),
-        Err(e) => Err(setup::no_device(format!("ibv_get_device_list failed: {e}"))),
+        Err(e) => Err(setup::no_device(format!(
+            "ibv_get_device_list failed: {e:#}"
+        ))),
     }
 }
 
@@ -134,7 +136,7 @@ impl Verbs for ArVerbs {
             .map(|mr| ArMr { mr })
             .map_err(|e| {
                 VerbsError::new(VerbOp::Register, WcStatus::NoMemory).with_detail(format!(
-                    "{e} (is the locked-memory limit, `ulimit -l`, large enough?)"
+                    "{e:#} (is the locked-memory limit, `ulimit -l`, large enough?)"
                 ))
             })
     }
@@ -243,7 +245,7 @@ async fn handshake(
     let mut rdma = builder(cfg)?.build().map_err(|e| {
         Error::new(
             ErrorKind::Unavailable,
-            format!("opening the RDMA device: {e}"),
+            format!("opening the RDMA device: {e:#}"),
         )
     })?;
     let ep = rdma.get_qp_endpoint();
@@ -258,10 +260,10 @@ async fn handshake(
         .lid(theirs.lid)
         .gid(Gid::from_raw(theirs.gid))
         .build()
-        .map_err(|e| Error::new(ErrorKind::Protocol, format!("rdma set-up: {e}")))?;
+        .map_err(|e| Error::new(ErrorKind::Protocol, format!("rdma set-up: {e:#}")))?;
     rdma.ibv_connect(remote)
         .await
-        .map_err(|e| Error::new(ErrorKind::Io, format!("connecting the queue pair: {e}")))?;
+        .map_err(|e| Error::new(ErrorKind::Io, format!("connecting the queue pair: {e:#}")))?;
     Ok(rdma)
 }
 
@@ -310,7 +312,7 @@ pub(crate) async fn bind(
                 r = listener.accept() => match r {
                     Ok(x) => x,
                     Err(e) => {
-                        tracing::warn!(url = %local_url, "accept failed: {e}");
+                        tracing::warn!(url = %local_url, "accept failed: {e:#}");
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
@@ -334,7 +336,7 @@ pub(crate) async fn bind(
                     Ok(parts) => {
                         let _ = tx.send(parts).await;
                     }
-                    Err(e) => tracing::warn!(url = %local_url, "rejected RDMA connection: {e}"),
+                    Err(e) => tracing::warn!(url = %local_url, "rejected RDMA connection: {e:#}"),
                 }
             });
         }

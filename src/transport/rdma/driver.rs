@@ -221,10 +221,10 @@ fn verbs_error(e: VerbsError, peer: &str) -> Error {
     if e.is_peer_lost() {
         Error::new(
             ErrorKind::ConnectionLost,
-            format!("the RDMA peer {peer} is lost: {e}"),
+            format!("the RDMA peer {peer} is lost: {e:#}"),
         )
     } else {
-        Error::new(ErrorKind::Io, format!("RDMA connection to {peer}: {e}"))
+        Error::new(ErrorKind::Io, format!("RDMA connection to {peer}: {e:#}"))
     }
 }
 
@@ -236,7 +236,7 @@ fn proto_error(e: ProtoError, peer: &str) -> Error {
     };
     Error::new(
         kind,
-        format!("the RDMA peer {peer} broke the protocol: {e}"),
+        format!("the RDMA peer {peer} broke the protocol: {e:#}"),
     )
 }
 
@@ -317,7 +317,7 @@ impl<V: Verbs> Driver<V> {
     }
 
     fn fail(&mut self, e: Error) -> Poll<()> {
-        tracing::debug!(peer = %self.sh.peer, "rdma connection failed: {e}");
+        tracing::debug!(peer = %self.sh.peer, "rdma connection failed: {e:#}");
         let mut st = lock(&self.sh.st);
         if st.error.is_none() {
             st.error = Some(e);

@@ -333,10 +333,10 @@ mod tests {
             .expect("a frozen peer must be found")
             .unwrap()
             .unwrap_err();
-        assert_eq!(e.kind(), crate::ErrorKind::ConnectionLost, "{e}");
-        assert!(e.to_string().contains("silent for"), "{e}");
+        assert_eq!(e.kind(), crate::ErrorKind::ConnectionLost, "{e:#}");
+        assert!(e.to_string().contains("silent for"), "{e:#}");
         let e = ca.send(Message::new("x").unwrap()).await.unwrap_err();
-        assert_eq!(e.kind(), crate::ErrorKind::ConnectionLost, "{e}");
+        assert_eq!(e.kind(), crate::ErrorKind::ConnectionLost, "{e:#}");
         assert!(at.elapsed() < t);
         drop(cb);
     }

@@ -942,9 +942,9 @@ impl Connection {
 
     fn head(&self, kind: &[u8], meta: &[u8]) -> Result<(MsgType, Meta), ProtoError> {
         let kind =
-            MsgType::from_wire(kind).map_err(|e| ProtoError::Invalid(format!("type: {e}")))?;
+            MsgType::from_wire(kind).map_err(|e| ProtoError::Invalid(format!("type: {e:#}")))?;
         Meta::validate_wire(meta, self.local.limits.max_meta_entries as usize)
-            .map_err(|e| ProtoError::Invalid(format!("metadata: {e}")))?;
+            .map_err(|e| ProtoError::Invalid(format!("metadata: {e:#}")))?;
         let meta = if meta.is_empty() {
             Meta::new()
         } else {
@@ -1299,7 +1299,7 @@ mod tests {
         let mut buf = vec![0u8; 8192];
         let n = a.poll_transmit(&mut buf).unwrap();
         let e = b.handle_recv(&buf[..n]).unwrap_err();
-        assert!(e.is_limit(), "{e}");
+        assert!(e.is_limit(), "{e:#}");
     }
 
     /// `a` believes (from a forged `HELLO`) that its peer has 1000 buffers; the real peer,
@@ -1332,7 +1332,7 @@ mod tests {
                 Err(e) => break e,
             }
         };
-        assert!(matches!(err, ProtoError::NoCredit { .. }), "{err}");
+        assert!(matches!(err, ProtoError::NoCredit { .. }), "{err:#}");
         assert!(
             taken < 4,
             "took {taken} messages into 4 buffers (its HELLO uses one)"
@@ -1359,7 +1359,7 @@ mod tests {
                 break e;
             }
         };
-        assert!(matches!(err, ProtoError::NoCredit { .. }), "{err}");
+        assert!(matches!(err, ProtoError::NoCredit { .. }), "{err:#}");
         assert!(b.queued() <= 4 + 1, "{} FINs queued", b.queued());
     }
 

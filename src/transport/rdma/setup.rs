@@ -45,7 +45,7 @@ pub(crate) fn sysfs_devices() -> Result<Vec<String>> {
             .filter_map(|e| e.ok())
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .collect(),
-        Err(e) => return Err(no_device(format!("{SYSFS} cannot be read ({e})"))),
+        Err(e) => return Err(no_device(format!("{SYSFS} cannot be read ({e:#})"))),
     };
     names.sort();
     if names.is_empty() {

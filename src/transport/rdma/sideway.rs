@@ -59,7 +59,7 @@ pub(crate) fn devices() -> Result<Vec<String>> {
         Ok(list) if !list.is_empty() => Ok(names),
         Ok(_) => Err(setup::no_device("ibv_get_device_list returned no devices")),
         Err(e) => Err(setup::no_device(format!(
-            "ibv_get_device_list failed: {e} (is rdma-core's libibverbs.so.1 installed?)"
+            "ibv_get_device_list failed: {e:#} (is rdma-core's libibverbs.so.1 installed?)"
         ))),
     }
 }
@@ -135,7 +135,7 @@ struct Device {
 fn open(p: &Placement) -> Result<Device> {
     devices()?;
     let unavailable = |what: &str, e: &dyn std::fmt::Display| {
-        Error::new(ErrorKind::Unavailable, format!("{what}: {e}"))
+        Error::new(ErrorKind::Unavailable, format!("{what}: {e:#}"))
     };
     let list = DeviceList::new().map_err(|e| unavailable("listing RDMA devices", &e))?;
     let dev = list
@@ -195,7 +195,7 @@ impl SwVerbs {
     /// (spawned on the current runtime). `depth`: work requests per direction.
     fn new(dev: &Device, depth: u32, peer: &str) -> Result<(SwVerbs, Endpoint)> {
         let failed = |what: &str, e: &dyn std::fmt::Display| {
-            Error::new(ErrorKind::Io, format!("{what} on {}: {e}", dev.name))
+            Error::new(ErrorKind::Io, format!("{what} on {}: {e:#}", dev.name))
         };
         let ch = dev
             .ctx
@@ -268,7 +268,7 @@ impl SwVerbs {
     /// Moves the queue pair to ready-to-receive and ready-to-send with the peer's `ep`.
     fn connect(&self, ep: &Endpoint, dev: &Device) -> Result<()> {
         let failed = |what: &str, e: &dyn std::fmt::Display| {
-            Error::new(ErrorKind::Io, format!("{what} on {}: {e}", dev.name))
+            Error::new(ErrorKind::Io, format!("{what} on {}: {e:#}", dev.name))
         };
         let gid = Gid { raw: ep.gid };
         let mut ah = AddressHandleAttribute::new();
@@ -344,7 +344,7 @@ impl SwVerbs {
         {
             // Never posted: the buffer is ours again, and dropped with the error.
             let _ =
-                w.tx.send(Err(verbs_failed(op, format!("posting failed: {e}"))));
+                w.tx.send(Err(verbs_failed(op, format!("posting failed: {e:#}"))));
         }
         rx
     }
@@ -409,7 +409,7 @@ async fn reap(cq: Arc<BasicCompletionQueue>, fd: AsyncFd<ChannelFd>, table: Tabl
         }
         let mut guard = match fd.readable().await {
             Ok(g) => g,
-            Err(e) => break format!("waiting on the completion channel: {e}"),
+            Err(e) => break format!("waiting on the completion channel: {e:#}"),
         };
         let mut events = 0u32;
         loop {
@@ -462,7 +462,7 @@ impl Verbs for SwVerbs {
         let mr = unsafe { self.pd.reg_mr(mem.as_mut_ptr() as usize, mem.len(), flags) }.map_err(
             |e| {
                 VerbsError::new(VerbOp::Register, WcStatus::NoMemory).with_detail(format!(
-                    "{e} (is the locked-memory limit, `ulimit -l`, large enough?)"
+                    "{e:#} (is the locked-memory limit, `ulimit -l`, large enough?)"
                 ))
             },
         )?;
@@ -570,7 +570,7 @@ pub(crate) async fn bind(
                 r = listener.accept() => match r {
                     Ok(x) => x,
                     Err(e) => {
-                        tracing::warn!(url = %local_url, "accept failed: {e}");
+                        tracing::warn!(url = %local_url, "accept failed: {e:#}");
                         tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
@@ -597,7 +597,7 @@ pub(crate) async fn bind(
                     Ok(parts) => {
                         let _ = tx.send(parts).await;
                     }
-                    Err(e) => tracing::warn!(url = %local_url, "rejected RDMA connection: {e}"),
+                    Err(e) => tracing::warn!(url = %local_url, "rejected RDMA connection: {e:#}"),
                 }
             });
         }

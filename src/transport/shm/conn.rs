@@ -300,7 +300,7 @@ async fn watch(sh: Arc<Shared>) {
                     if let Err(silent) = s.check(std::time::Instant::now(), beat, true) {
                         let who = format!("the shared-memory peer {}", sh.peer);
                         let e = sh.live.lost(&who, silent);
-                        tracing::warn!(peer = %sh.peer, "closing shared-memory channel: {e}");
+                        tracing::warn!(peer = %sh.peer, "closing shared-memory channel: {e:#}");
                         let _ = sh.silent.set(e);
                         let _ = rustix::net::shutdown(&sh.uds, rustix::net::Shutdown::Both);
                         break;
@@ -874,7 +874,7 @@ impl Drop for ShmSender {
                     tracing::warn!(
                         messages = self.staged.len(),
                         peer = %self.sh.peer,
-                        "shm sender dropped: messages not sent: {e}"
+                        "shm sender dropped: messages not sent: {e:#}"
                     );
                 }
                 false
@@ -890,7 +890,7 @@ impl Drop for ShmSender {
                         Ok(Err(e)) => tracing::warn!(
                             messages = rest.staged.len(),
                             peer = %rest.sh.peer,
-                            "dropped shm sender: messages not delivered: {e}"
+                            "dropped shm sender: messages not delivered: {e:#}"
                         ),
                         Err(_) => tracing::warn!(
                             messages = rest.staged.len(),
@@ -1198,7 +1198,7 @@ impl RecvHalf for ShmReceiver {
                 if let Some(Err(e)) = &other
                     && e.is_protocol()
                 {
-                    tracing::warn!(peer = %self.sh.peer, "closing shared-memory channel: {e}");
+                    tracing::warn!(peer = %self.sh.peer, "closing shared-memory channel: {e:#}");
                     // Stop the peer: nothing it sends will be read.
                     self.ring.close();
                     wake(&self.sh.space);

@@ -414,13 +414,13 @@ pub(crate) fn head<'t>(
         .ok_or_else(|| invalid("head shorter than its type"))?;
     let kind = match types.lookup(kind) {
         Ok(k) => k,
-        Err(e) => return Err(invalid(format!("type: {e}"))),
+        Err(e) => return Err(invalid(format!("type: {e:#}"))),
     };
     if meta.is_empty() {
         return Ok((kind, Meta::new()));
     }
     Meta::validate_wire(meta, usize::from(max_meta_entries))
-        .map_err(|e| invalid(format!("metadata: {e}")))?;
+        .map_err(|e| invalid(format!("metadata: {e:#}")))?;
     Ok((kind, Meta::from_valid_wire(copy(meta))))
 }
 
@@ -683,7 +683,7 @@ mod tests {
         ];
         for (d, want) in cases {
             let e = check_words(&d.encode(), &BOUNDS).unwrap_err();
-            assert!(e.0.contains(want), "{d:?}: {e} (want {want:?})");
+            assert!(e.0.contains(want), "{d:?}: {e:#} (want {want:?})");
         }
     }
 }

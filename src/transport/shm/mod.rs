@@ -184,7 +184,7 @@ pub(crate) async fn bind(name: &str, cfg: &Config) -> Result<(Box<dyn AcceptHalf
             let uds = match accepted {
                 Ok((s, _)) => s,
                 Err(e) => {
-                    tracing::warn!(url = %local, "accept failed: {e}");
+                    tracing::warn!(url = %local, "accept failed: {e:#}");
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     continue;
                 }
@@ -199,7 +199,7 @@ pub(crate) async fn bind(name: &str, cfg: &Config) -> Result<(Box<dyn AcceptHalf
                     }
                     Err(e) => {
                         counter.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(url = %local, "rejected shared-memory connection: {e}");
+                        tracing::warn!(url = %local, "rejected shared-memory connection: {e:#}");
                     }
                 }
             });

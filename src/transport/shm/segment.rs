@@ -444,11 +444,11 @@ mod tests {
         // SAFETY: test-only: scribble on the magic of a segment nobody else uses.
         unsafe { *seg.map.base() = b'X' };
         let e = Segment::open(fd).err().unwrap();
-        assert!(e.to_string().contains("magic"), "{e}");
+        assert!(e.to_string().contains("magic"), "{e:#}");
 
         let plain = rustix::fs::memfd_create("x", MemfdFlags::CLOEXEC).unwrap();
         rustix::fs::ftruncate(&plain, 1 << 20).unwrap();
         let e = Segment::open(plain).err().unwrap();
-        assert!(e.to_string().contains("not"), "{e}");
+        assert!(e.to_string().contains("not"), "{e:#}");
     }
 }

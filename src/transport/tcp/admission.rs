@@ -117,7 +117,7 @@ mod tests {
         let e = a.admit(x).err().unwrap();
         assert!(
             e.contains("10.0.0.1") && e.contains("max_connections_per_peer"),
-            "{e}"
+            "{e:#}"
         );
         let t3 = a.admit(y).unwrap();
         assert_eq!(a.total(), 3);

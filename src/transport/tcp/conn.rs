@@ -288,7 +288,7 @@ pub(crate) async fn handshake<S: Io>(
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    return Err(Error::new(ErrorKind::Protocol, format!("handshake: {e}")));
+                    return Err(Error::new(ErrorKind::Protocol, format!("handshake: {e:#}")));
                 }
             }
             if buf.capacity() - buf.len() < 1024 {
@@ -365,9 +365,9 @@ async fn run<S: Io>(
             if conn.failed() {
                 // The write side failed first and said why; this is the reader stopping.
             } else if e.kind() != ErrorKind::ConnectionLost {
-                tracing::warn!(peer = %peer, "closing connection: {e}");
+                tracing::warn!(peer = %peer, "closing connection: {e:#}");
             } else {
-                tracing::debug!(peer = %peer, "connection lost: {e}");
+                tracing::debug!(peer = %peer, "connection lost: {e:#}");
             }
             conn.fail(e, tell_peer);
         }
@@ -378,7 +378,7 @@ async fn run<S: Io>(
     let writer = async {
         let mut out = Consumer::new(conn.out.clone());
         if let Err(e) = write_loop(&conn, &mut out, &stream, &live).await {
-            tracing::debug!(peer = %peer, "write side failed: {e}");
+            tracing::debug!(peer = %peer, "write side failed: {e:#}");
             conn.fail(e, false);
         }
         conn.writer_done.store(true, Ordering::Release);

@@ -772,9 +772,9 @@ impl RecvHalf for DirectReceiver {
                 drop(st);
                 if !sh.failed() {
                     if e.kind() == ErrorKind::ConnectionLost {
-                        tracing::debug!(peer = %sh.peer, "connection lost: {e}");
+                        tracing::debug!(peer = %sh.peer, "connection lost: {e:#}");
                     } else {
-                        tracing::warn!(peer = %sh.peer, "closing connection: {e}");
+                        tracing::warn!(peer = %sh.peer, "closing connection: {e:#}");
                     }
                 }
                 sh.fail(e, tell_peer);
@@ -1013,7 +1013,7 @@ fn read_into(sh: &Shared, st: &mut ReadState, gone: bool, discarded: &mut u64) {
             Poll::Ready(Err((e, tell_peer))) => {
                 st.end = Some(End::Failed);
                 if e.kind() != ErrorKind::ConnectionLost && !sh.failed() {
-                    tracing::warn!(peer = %sh.peer, "closing connection: {e}");
+                    tracing::warn!(peer = %sh.peer, "closing connection: {e:#}");
                 }
                 sh.fail(e, tell_peer);
                 return;

@@ -148,13 +148,13 @@ fn thread_main(
                 let _ = ready.send(Err(Error::new(
                     ErrorKind::Unavailable,
                     format!(
-                        "io_uring is not available here ({e}); unset HYPERFRAMES_IO or set it to epoll"
+                        "io_uring is not available here ({e:#}); unset HYPERFRAMES_IO or set it to epoll"
                     ),
                 )));
                 return;
             }
             Err(e) => FALLBACK_LOGGED.call_once(|| {
-                tracing::warn!("io_uring is not available ({e}); tcp:// runs on epoll");
+                tracing::warn!("io_uring is not available ({e:#}); tcp:// runs on epoll");
             }),
         }
     }

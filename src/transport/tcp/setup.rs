@@ -122,13 +122,13 @@ pub(super) async fn accept_loop<F, Fut>(
             Ok(a) => a,
             Err(e) => {
                 // Out of descriptors and the like: say so, and do not spin.
-                tracing::warn!("accept failed: {e}");
+                tracing::warn!("accept failed: {e:#}");
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };
         if let Err(e) = sys::tune(SockRef::from(&stream), cfg.keepalive) {
-            tracing::warn!(peer = %peer, "dropping connection: setting socket options: {e}");
+            tracing::warn!(peer = %peer, "dropping connection: setting socket options: {e:#}");
             continue;
         }
         let ticket = match admission.admit(peer.ip()) {
@@ -209,7 +209,7 @@ pub(super) fn addrs(s: &tokio::net::TcpStream) -> Result<(SocketAddr, SocketAddr
 /// Counts and logs a connection refused at the handshake.
 pub(super) fn reject(rejected: &AtomicU64, peer: SocketAddr, e: &Error) {
     rejected.fetch_add(1, Ordering::Relaxed);
-    tracing::warn!(peer = %peer, "rejected connection: {e}");
+    tracing::warn!(peer = %peer, "rejected connection: {e:#}");
 }
 
 /// The listener half: channels whose handshake completed wait here for `accept`.
