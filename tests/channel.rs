@@ -251,6 +251,64 @@ async fn backpressure_is_real(t: T) {
     assert_eq!(reader.await.unwrap(), sent);
 }
 
+/// `send` cancelled at every point it can wait, under backpressure: a cancelled send sent
+/// nothing (tokio mpsc's promise). The sender retries each message until a send completes,
+/// so a cancelled send that went out anyway would arrive twice; the receiver, slow on
+/// purpose, must see every message exactly once, in order.
+async fn cancelled_sends_arrive_once_or_not_at_all(t: T) {
+    let (_ctx, c, s) = pair_with(
+        t,
+        Context::builder()
+            .send_queue(4, 64 << 10)
+            .recv_queue(4, 64 << 10)
+            .shm_segment(16, 64 << 10),
+    )
+    .await;
+    let (mut tx, _crx) = c.split();
+    let (_stx, mut rx) = s.split();
+    const N: u64 = 400;
+    let reader = tokio::spawn(async move {
+        let mut got = Vec::new();
+        while let Some(m) = timeout(GUARD, rx.recv()).await.unwrap() {
+            got.push(seq(&m.unwrap()));
+            if got.len() % 16 == 0 {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+        got
+    });
+    let mut cancelled = 0u64;
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    for i in 0..N {
+        loop {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            // 0 to 200 µs: from before the first poll to well into a wait for room.
+            let patience = Duration::from_micros(rng % 200);
+            let len = [0usize, 100, 64 << 10, 256 << 10][(rng >> 20) as usize % 4];
+            match timeout(patience, tx.send(msg(i, len))).await {
+                Ok(r) => {
+                    r.unwrap();
+                    break;
+                }
+                Err(_) => cancelled += 1,
+            }
+        }
+    }
+    tx.close().await.unwrap();
+    let got = timeout(GUARD, reader).await.unwrap().unwrap();
+    assert_eq!(
+        got,
+        (0..N).collect::<Vec<_>>(),
+        "each message exactly once, in order"
+    );
+    assert!(
+        cancelled > 0,
+        "no send was ever cancelled: the test proved nothing"
+    );
+}
+
 async fn receiver_drop_fails_the_peers_sender(t: T) {
     let (_ctx, c, s) = pair(t).await;
     let (mut tx, _rx) = c.split();
@@ -475,6 +533,7 @@ suite!(
     half_close_keeps_the_other_direction,
     drop_is_a_close,
     backpressure_is_real,
+    cancelled_sends_arrive_once_or_not_at_all,
     receiver_drop_fails_the_peers_sender,
     peer_limits_are_enforced_at_send,
     reunite_checks_identity,
@@ -524,6 +583,18 @@ mod threaded {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn backpressure_shm() {
         backpressure_is_real(T::Shm).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cancelled_sends_shm() {
+        cancelled_sends_arrive_once_or_not_at_all(T::Shm).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cancelled_sends_inline() {
+        cancelled_sends_arrive_once_or_not_at_all(T::Inline).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cancelled_sends_uring() {
+        cancelled_sends_arrive_once_or_not_at_all(T::Uring).await
     }
 }
 
