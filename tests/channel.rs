@@ -261,7 +261,9 @@ async fn cancelled_sends_arrive_once_or_not_at_all(t: T) {
         Context::builder()
             .send_queue(4, 64 << 10)
             .recv_queue(4, 64 << 10)
-            .shm_segment(16, 64 << 10),
+            .shm_segment(16, 64 << 10)
+            .max_body(1 << 20)
+            .rdma_pool_bytes(2 << 20),
     )
     .await;
     let (mut tx, _crx) = c.split();
@@ -272,13 +274,15 @@ async fn cancelled_sends_arrive_once_or_not_at_all(t: T) {
         while let Some(m) = timeout(GUARD, rx.recv()).await.unwrap() {
             got.push(seq(&m.unwrap()));
             if got.len() % 16 == 0 {
-                tokio::time::sleep(Duration::from_millis(2)).await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
         got
     });
     let mut cancelled = 0u64;
     let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    // Made once: the sender must outrun the reader (a debug build spends long making bodies).
+    let bodies = [0usize, 100, 64 << 10, 256 << 10].map(|n| Bytes::from(vec![7u8; n]));
     for i in 0..N {
         loop {
             rng ^= rng << 13;
@@ -286,8 +290,12 @@ async fn cancelled_sends_arrive_once_or_not_at_all(t: T) {
             rng ^= rng << 17;
             // 0 to 200 µs: from before the first poll to well into a wait for room.
             let patience = Duration::from_micros(rng % 200);
-            let len = [0usize, 100, 64 << 10, 256 << 10][(rng >> 20) as usize % 4];
-            match timeout(patience, tx.send(msg(i, len))).await {
+            let m = Message::new("test.seq")
+                .unwrap()
+                .with_meta("i", i)
+                .unwrap()
+                .with_body(bodies[(rng >> 20) as usize % 4].clone());
+            match timeout(patience, tx.send(m)).await {
                 Ok(r) => {
                     r.unwrap();
                     break;

@@ -71,7 +71,7 @@ impl Peer {
 
 /// The heartbeat both sides of the frozen-peer tests use: lost after `MISSES` of these.
 const BEAT: Duration = Duration::from_millis(100);
-const MISSES: u32 = 3;
+const MISSES: u32 = 5;
 
 /// The peer side. `send URL`: connect, send one message, idle. `sink URL`: connect and never
 /// read.

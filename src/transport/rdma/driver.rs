@@ -200,9 +200,10 @@ pub(crate) struct Driver<V: Verbs> {
     rx_pending: usize,
     /// Body bytes of the reads posted and not yet completed.
     reading_bytes: usize,
-    /// Our heartbeat: a counter at `beat_off` of this region, which the peer reads.
-    beat_src: V::Mr,
-    beat_off: usize,
+    /// Our heartbeat: a counter at `beat_addr`, in this region, which the peer reads. Kept
+    /// alive here and never borrowed again after the address is taken.
+    _beat_src: V::Mr,
+    beat_addr: usize,
     beat: u64,
     /// The peer's heartbeat, once its `HELLO` promised one: how long it stood still.
     silence: Option<Silence>,
@@ -255,8 +256,11 @@ impl<V: Verbs> Driver<V> {
                 .map_err(|e| verbs_error(e, &peer))
         };
         // 16 bytes, so that an aligned 8-byte counter fits whatever the backend's alignment.
-        let beat_src = reg(16, Access::REMOTE_READ)?;
+        let mut beat_src = reg(16, Access::REMOTE_READ)?;
         let beat_off = beat_src.as_slice().as_ptr().align_offset(8);
+        // The counter's address, taken once, before the region is advertised: from then on
+        // it is written only through this pointer, atomically (see `beat`).
+        let beat_addr = beat_src.as_mut_slice()[beat_off..beat_off + 8].as_mut_ptr() as usize;
         let ka_buf = reg(8, Access::LOCAL)?;
         let beat_ms = if cfg.heartbeat_misses > 0 {
             u32::try_from(cfg.keepalive.as_millis())
@@ -300,8 +304,8 @@ impl<V: Verbs> Driver<V> {
             reading: HashMap::new(),
             rx_pending: 0,
             reading_bytes: 0,
-            beat_src,
-            beat_off,
+            _beat_src: beat_src,
+            beat_addr,
             beat: 0,
             silence: None,
             ka_buf: Some(ka_buf),
@@ -639,15 +643,15 @@ impl<V: Verbs> Driver<V> {
         Ok(())
     }
 
-    /// Advances our heartbeat counter, where the peer reads it.
+    /// Advances our heartbeat counter, where the peer reads it: every pass of the driver,
+    /// so that it moves while the driver runs, busy or woken by the keepalive timer.
     fn beat(&mut self) {
         self.beat += 1;
-        let at = &mut self.beat_src.as_mut_slice()[self.beat_off..self.beat_off + 8];
-        let ptr = at.as_mut_ptr().cast::<u64>();
-        // SAFETY: `ptr` is 8-byte aligned (`beat_off`) and in bounds, in registered memory
-        // this driver owns for the connection's life. The peer's NIC (or the simulation's
-        // 8-byte atomic copy) reads it concurrently: the store is atomic, so a read sees the
-        // old or the new count, and nothing here reads it back.
+        let ptr = self.beat_addr as *mut u64;
+        // SAFETY: `ptr` is 8-byte aligned (`align_offset`) and in bounds of `_beat_src`,
+        // registered memory this driver keeps for the connection's life and never borrows
+        // after taking the address. The peer's NIC (or the simulation's 8-byte atomic copy)
+        // reads it concurrently: the store is atomic, so a read sees the old or the new count.
         let counter = unsafe { std::sync::atomic::AtomicU64::from_ptr(ptr) };
         counter.store(self.beat, std::sync::atomic::Ordering::Relaxed);
     }
@@ -655,9 +659,6 @@ impl<V: Verbs> Driver<V> {
     fn keepalive(&mut self, cx: &mut Context<'_>) -> Result<()> {
         if self.ka_timer.as_mut().poll(cx).is_pending() {
             return Ok(());
-        }
-        if self.cfg.heartbeat_misses > 0 {
-            self.beat();
         }
         let idle = !std::mem::take(&mut self.active);
         if !idle {
@@ -693,6 +694,9 @@ impl<V: Verbs> Future for Driver<V> {
         let this = self.get_mut();
         this.sh.driver.register(cx.waker());
         loop {
+            if this.cfg.heartbeat_misses > 0 {
+                this.beat();
+            }
             match this.step(cx) {
                 Ok(true) => continue,
                 Ok(false) => {}
