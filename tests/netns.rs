@@ -222,6 +222,25 @@ fn netns_peer() {
     });
 }
 
+/// Says why, when these tests cannot run here.
+fn skip(need_nft: bool) -> bool {
+    let why = unsupported(need_nft);
+    if let Some(why) = &why {
+        eprintln!("skipped: {why}");
+    }
+    why.is_some()
+}
+
+/// The echo peer started in `ns`, and a channel to it.
+async fn connect(ns: &Netns) -> (Peer, hyperframes::Channel) {
+    let peer = Peer::start(ns);
+    let ch = timeout(GUARD, context().connect(&ns.url()))
+        .await
+        .unwrap()
+        .unwrap();
+    (peer, ch)
+}
+
 fn body(i: u64) -> Bytes {
     let len = 1 + (i * 7919 % (64 << 10)) as usize;
     Bytes::from(
@@ -235,18 +254,13 @@ fn body(i: u64) -> Bytes {
 /// exactly once (TCP's job, with our framing on top of it).
 #[tokio::test]
 async fn loss_and_a_rate_limit_lose_nothing() {
-    if let Some(why) = unsupported(true) {
-        eprintln!("skipped: {why}");
+    if skip(true) {
         return;
     }
     let ns = Netns::new(1).unwrap();
     ns.loss(5);
     ns.rate("40mbit");
-    let _peer = Peer::start(&ns);
-    let ch = timeout(GUARD, context().connect(&ns.url()))
-        .await
-        .unwrap()
-        .unwrap();
+    let (_peer, ch) = connect(&ns).await;
     let (mut tx, mut rx) = ch.split();
     const N: u64 = 400;
     let start = Instant::now();
@@ -291,16 +305,11 @@ async fn loss_and_a_rate_limit_lose_nothing() {
 /// heartbeat finds it within its bound, on both halves.
 #[tokio::test]
 async fn a_link_cut_mid_transfer_is_found_by_heartbeats() {
-    if let Some(why) = unsupported(false) {
-        eprintln!("skipped: {why}");
+    if skip(false) {
         return;
     }
     let ns = Netns::new(2).unwrap();
-    let _peer = Peer::start(&ns);
-    let ch = timeout(GUARD, context().connect(&ns.url()))
-        .await
-        .unwrap()
-        .unwrap();
+    let (_peer, ch) = connect(&ns).await;
     let (mut tx, mut rx) = ch.split();
     // Traffic flowing both ways, then the cut.
     for i in 0..50 {

@@ -21,14 +21,12 @@
 
 use std::alloc::Layout;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
 use async_rdma::{
     AccessFlag, ConnectionType, Gid, LocalMr, MrAccess, MrToken, QueuePairEndpointBuilder, Rdma,
     RdmaBuilder, RemoteMr,
 };
-use tokio::sync::mpsc;
 
 use super::setup::{self, Endpoint, Placement};
 use super::verbs::{Access, Completion, Region, RemoteRegion, VerbOp, Verbs, VerbsError, WcStatus};
@@ -267,24 +265,24 @@ async fn handshake(
     Ok(rdma)
 }
 
+/// [`handshake`], as verbs, as the shared set-up takes it.
+fn boxed_handshake<'a>(
+    tcp: &'a mut tokio::net::TcpStream,
+    cfg: &'a super::RdmaConfig,
+    t: Duration,
+    peer: &'a str,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<ArVerbs>> + Send + 'a>> {
+    Box::pin(async move {
+        let rdma = handshake(tcp, cfg, t).await?;
+        Ok(ArVerbs {
+            rdma: Arc::new(rdma),
+            name: peer.to_owned(),
+        })
+    })
+}
+
 pub(crate) async fn connect(host: &str, port: u16, cfg: &Config) -> Result<Parts> {
-    devices()?;
-    let rcfg = super::config(cfg);
-    rcfg.validate()?;
-    let url = format!("rdma://{host}:{port}");
-    let mut tcp = tokio::time::timeout(
-        cfg.connect_timeout,
-        tokio::net::TcpStream::connect((host, port)),
-    )
-    .await
-    .map_err(|_| Error::new(ErrorKind::TimedOut, format!("connecting to {url}")))?
-    .map_err(|e| Error::io(format!("connecting to {url}"), e))?;
-    let rdma = handshake(&mut tcp, &rcfg, cfg.handshake_timeout).await?;
-    let verbs = Arc::new(ArVerbs {
-        rdma: Arc::new(rdma),
-        name: url.clone(),
-    });
-    super::establish(verbs, rcfg, cfg.handshake_timeout, url.clone(), url).await
+    setup::connect(host, port, cfg, devices, boxed_handshake).await
 }
 
 pub(crate) async fn bind(
@@ -292,70 +290,5 @@ pub(crate) async fn bind(
     port: u16,
     cfg: &Config,
 ) -> Result<(Box<dyn AcceptHalf>, String)> {
-    devices()?;
-    let rcfg = super::config(cfg);
-    rcfg.validate()?;
-    let listener = tokio::net::TcpListener::bind((host, port))
-        .await
-        .map_err(|e| Error::io(format!("binding rdma://{host}:{port}"), e))?;
-    let local = listener
-        .local_addr()
-        .map_err(|e| Error::io("rdma listener address", e))?;
-    let url = format!("rdma://{}", local);
-    let (tx, rx) = mpsc::channel(cfg.accept_backlog.max(1));
-    let cfg = cfg.clone();
-    let local_url = url.clone();
-    tokio::spawn(async move {
-        loop {
-            let (mut tcp, from) = tokio::select! {
-                () = tx.closed() => return,
-                r = listener.accept() => match r {
-                    Ok(x) => x,
-                    Err(e) => {
-                        tracing::warn!(url = %local_url, "accept failed: {e:#}");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-            };
-            let (tx, rcfg, cfg, local_url) =
-                (tx.clone(), rcfg.clone(), cfg.clone(), local_url.clone());
-            tokio::spawn(async move {
-                let r = async {
-                    let rdma = handshake(&mut tcp, &rcfg, cfg.handshake_timeout).await?;
-                    let peer = format!("rdma://{from}");
-                    let verbs = Arc::new(ArVerbs {
-                        rdma: Arc::new(rdma),
-                        name: peer.clone(),
-                    });
-                    super::establish(verbs, rcfg, cfg.handshake_timeout, local_url.clone(), peer)
-                        .await
-                }
-                .await;
-                match r {
-                    Ok(parts) => {
-                        let _ = tx.send(parts).await;
-                    }
-                    Err(e) => tracing::warn!(url = %local_url, "rejected RDMA connection: {e:#}"),
-                }
-            });
-        }
-    });
-    Ok((Box::new(ArAccept { rx }), url))
-}
-
-struct ArAccept {
-    rx: mpsc::Receiver<Parts>,
-}
-
-impl AcceptHalf for ArAccept {
-    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Parts>> {
-        self.rx.poll_recv(cx).map(|p| {
-            p.ok_or_else(|| Error::new(ErrorKind::Unavailable, "the rdma accept task has stopped"))
-        })
-    }
-
-    fn rejected(&self) -> u64 {
-        0
-    }
+    setup::bind(host, port, cfg, devices, boxed_handshake).await
 }

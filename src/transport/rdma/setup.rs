@@ -1,5 +1,6 @@
 //! What both hardware backends share: the device check, the settings read from the
-//! environment, and the set-up exchange over TCP that connects two queue pairs.
+//! environment, the set-up exchange over TCP that connects two queue pairs, and the TCP
+//! connect and listener around it (each backend brings only its handshake).
 //!
 //! Set-up: the listener accepts a TCP connection at `host:port`; each side creates an RC
 //! queue pair, sends its endpoint (QP number, LID, GID) over the TCP connection, and moves
@@ -15,12 +16,21 @@
 //!     20   16 GID (raw)          (36 bytes)
 //! ```
 
+use std::future::Future;
 use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
 
+use super::RdmaConfig;
+use super::verbs::Verbs;
 use crate::error::Result;
+use crate::transport::{AcceptHalf, Config, Parts};
 use crate::{Error, ErrorKind};
 
 /// Where the kernel lists RDMA devices.
@@ -132,11 +142,7 @@ impl Endpoint {
 }
 
 /// Sends `ours` and reads the peer's endpoint over `tcp`, within `t`.
-pub(crate) async fn exchange(
-    tcp: &mut tokio::net::TcpStream,
-    ours: Endpoint,
-    t: Duration,
-) -> Result<Endpoint> {
+pub(crate) async fn exchange(tcp: &mut TcpStream, ours: Endpoint, t: Duration) -> Result<Endpoint> {
     let mut theirs = [0u8; OOB_LEN];
     tokio::time::timeout(t, async {
         tcp.write_all(&ours.encode()).await?;
@@ -151,6 +157,122 @@ pub(crate) async fn exchange(
     })?
     .map_err(|e| Error::io("rdma set-up exchange", e))?;
     Endpoint::decode(&theirs)
+}
+
+/// A backend's part of the set-up: over the TCP stream to `peer`, its queue pair created and
+/// connected with the peer's (see [`exchange`]), as verbs.
+pub(crate) type Handshake<V> = for<'a> fn(
+    &'a mut TcpStream,
+    &'a RdmaConfig,
+    Duration,
+    &'a str,
+) -> Pin<Box<dyn Future<Output = Result<V>> + Send + 'a>>;
+
+/// `rdma://host:port` from this side: the device check, the TCP connection, the backend's
+/// handshake, then the protocol's.
+pub(crate) async fn connect<V: Verbs>(
+    host: &str,
+    port: u16,
+    cfg: &Config,
+    devices: fn() -> Result<Vec<String>>,
+    handshake: Handshake<V>,
+) -> Result<Parts> {
+    devices()?;
+    let rcfg = super::config(cfg);
+    rcfg.validate()?;
+    let url = format!("rdma://{host}:{port}");
+    let mut tcp = tokio::time::timeout(cfg.connect_timeout, TcpStream::connect((host, port)))
+        .await
+        .map_err(|_| Error::new(ErrorKind::TimedOut, format!("connecting to {url}")))?
+        .map_err(|e| Error::io(format!("connecting to {url}"), e))?;
+    let verbs = handshake(&mut tcp, &rcfg, cfg.handshake_timeout, &url).await?;
+    super::establish(
+        Arc::new(verbs),
+        rcfg,
+        cfg.handshake_timeout,
+        url.clone(),
+        url,
+    )
+    .await
+}
+
+/// An `rdma://host:port` listener: TCP connections accepted, each set up with the backend's
+/// handshake in a task of its own. Set-ups in progress are bounded (`accept_backlog`): each
+/// opens a queue pair and pins its buffers before the peer has proved anything.
+pub(crate) async fn bind<V: Verbs>(
+    host: &str,
+    port: u16,
+    cfg: &Config,
+    devices: fn() -> Result<Vec<String>>,
+    handshake: Handshake<V>,
+) -> Result<(Box<dyn AcceptHalf>, String)> {
+    devices()?;
+    let rcfg = super::config(cfg);
+    rcfg.validate()?;
+    let listener = tokio::net::TcpListener::bind((host, port))
+        .await
+        .map_err(|e| Error::io(format!("binding rdma://{host}:{port}"), e))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| Error::io("rdma listener address", e))?;
+    let url = format!("rdma://{local}");
+    let (tx, rx) = mpsc::channel(cfg.accept_backlog.max(1));
+    let setups = Arc::new(tokio::sync::Semaphore::new(cfg.accept_backlog.max(1)));
+    let t = cfg.handshake_timeout;
+    let local_url = url.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok(permit) = setups.clone().acquire_owned().await else {
+                return;
+            };
+            let (mut tcp, from) = tokio::select! {
+                () = tx.closed() => return,
+                r = listener.accept() => match r {
+                    Ok(x) => x,
+                    Err(e) => {
+                        tracing::warn!(url = %local_url, "accept failed: {e:#}");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let (tx, rcfg, local_url) = (tx.clone(), rcfg.clone(), local_url.clone());
+            tokio::spawn(async move {
+                let peer = format!("rdma://{from}");
+                let r = async {
+                    let verbs = handshake(&mut tcp, &rcfg, t, &peer).await?;
+                    super::establish(Arc::new(verbs), rcfg, t, local_url.clone(), peer.clone())
+                        .await
+                }
+                .await;
+                drop(permit);
+                match r {
+                    Ok(parts) => {
+                        let _ = tx.send(parts).await;
+                    }
+                    Err(e) => tracing::warn!(url = %local_url, "rejected RDMA connection: {e:#}"),
+                }
+            });
+        }
+    });
+    Ok((Box::new(TcpAccept { rx }), url))
+}
+
+/// The accepted connections of [`bind`], set up.
+struct TcpAccept {
+    rx: mpsc::Receiver<Parts>,
+}
+
+impl AcceptHalf for TcpAccept {
+    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Parts>> {
+        self.rx.poll_recv(cx).map(|p| {
+            p.ok_or_else(|| Error::new(ErrorKind::Unavailable, "the rdma accept task has stopped"))
+        })
+    }
+
+    fn rejected(&self) -> u64 {
+        0
+    }
 }
 
 #[cfg(test)]

@@ -21,7 +21,6 @@ use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use sideway::ibverbs::AccessFlags;
@@ -39,7 +38,7 @@ use sideway::ibverbs::queue_pair::{
     SetScatterGatherEntry, WorkRequestFlags,
 };
 use tokio::io::unix::AsyncFd;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use super::setup::{self, Endpoint, Placement};
 use super::verbs::{Access, Completion, Region, RemoteRegion, VerbOp, Verbs, VerbsError, WcStatus};
@@ -516,27 +515,18 @@ async fn handshake(
     Ok(verbs)
 }
 
+/// [`handshake`], as the shared set-up takes it.
+fn boxed_handshake<'a>(
+    tcp: &'a mut tokio::net::TcpStream,
+    cfg: &'a super::RdmaConfig,
+    t: Duration,
+    peer: &'a str,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<SwVerbs>> + Send + 'a>> {
+    Box::pin(handshake(tcp, cfg, t, peer))
+}
+
 pub(crate) async fn connect(host: &str, port: u16, cfg: &Config) -> Result<Parts> {
-    devices()?;
-    let rcfg = super::config(cfg);
-    rcfg.validate()?;
-    let url = format!("rdma://{host}:{port}");
-    let mut tcp = tokio::time::timeout(
-        cfg.connect_timeout,
-        tokio::net::TcpStream::connect((host, port)),
-    )
-    .await
-    .map_err(|_| Error::new(ErrorKind::TimedOut, format!("connecting to {url}")))?
-    .map_err(|e| Error::io(format!("connecting to {url}"), e))?;
-    let verbs = handshake(&mut tcp, &rcfg, cfg.handshake_timeout, &url).await?;
-    super::establish(
-        Arc::new(verbs),
-        rcfg,
-        cfg.handshake_timeout,
-        url.clone(),
-        url,
-    )
-    .await
+    setup::connect(host, port, cfg, devices, boxed_handshake).await
 }
 
 pub(crate) async fn bind(
@@ -544,79 +534,5 @@ pub(crate) async fn bind(
     port: u16,
     cfg: &Config,
 ) -> Result<(Box<dyn AcceptHalf>, String)> {
-    devices()?;
-    let rcfg = super::config(cfg);
-    rcfg.validate()?;
-    let listener = tokio::net::TcpListener::bind((host, port))
-        .await
-        .map_err(|e| Error::io(format!("binding rdma://{host}:{port}"), e))?;
-    let local = listener
-        .local_addr()
-        .map_err(|e| Error::io("rdma listener address", e))?;
-    let url = format!("rdma://{local}");
-    let (tx, rx) = mpsc::channel(cfg.accept_backlog.max(1));
-    // Set-ups in progress are bounded: each opens a queue pair and pins its buffers before
-    // the peer has proved anything.
-    let setups = Arc::new(tokio::sync::Semaphore::new(cfg.accept_backlog.max(1)));
-    let cfg = cfg.clone();
-    let local_url = url.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok(permit) = setups.clone().acquire_owned().await else {
-                return;
-            };
-            let (mut tcp, from) = tokio::select! {
-                () = tx.closed() => return,
-                r = listener.accept() => match r {
-                    Ok(x) => x,
-                    Err(e) => {
-                        tracing::warn!(url = %local_url, "accept failed: {e:#}");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-            };
-            let (tx, rcfg, cfg, local_url) =
-                (tx.clone(), rcfg.clone(), cfg.clone(), local_url.clone());
-            tokio::spawn(async move {
-                let peer = format!("rdma://{from}");
-                let r = async {
-                    let verbs = handshake(&mut tcp, &rcfg, cfg.handshake_timeout, &peer).await?;
-                    super::establish(
-                        Arc::new(verbs),
-                        rcfg,
-                        cfg.handshake_timeout,
-                        local_url.clone(),
-                        peer.clone(),
-                    )
-                    .await
-                }
-                .await;
-                drop(permit);
-                match r {
-                    Ok(parts) => {
-                        let _ = tx.send(parts).await;
-                    }
-                    Err(e) => tracing::warn!(url = %local_url, "rejected RDMA connection: {e:#}"),
-                }
-            });
-        }
-    });
-    Ok((Box::new(SwAccept { rx }), url))
-}
-
-struct SwAccept {
-    rx: mpsc::Receiver<Parts>,
-}
-
-impl AcceptHalf for SwAccept {
-    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Parts>> {
-        self.rx.poll_recv(cx).map(|p| {
-            p.ok_or_else(|| Error::new(ErrorKind::Unavailable, "the rdma accept task has stopped"))
-        })
-    }
-
-    fn rejected(&self) -> u64 {
-        0
-    }
+    setup::bind(host, port, cfg, devices, boxed_handshake).await
 }
