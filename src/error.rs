@@ -60,6 +60,10 @@ pub enum ErrorKind {
     Mismatch,
     /// A configuration value is out of range.
     Config,
+    /// Authentication failed (`tls://`): the peer's certificate was refused (unknown CA,
+    /// expired, not valid for the name connected to, missing where one is required), or the
+    /// peer refused ours. The detail says which side refused what.
+    Auth,
     /// The peer's handler failed the request: [`middleware::Client`](crate::middleware::Client)
     /// received the error reply that [`middleware::serve`](crate::middleware::serve()) sends for
     /// a failed request. The detail is the peer's error text.
@@ -89,6 +93,7 @@ impl ErrorKind {
             ErrorKind::Unavailable => "unavailable",
             ErrorKind::Mismatch => "mismatched halves",
             ErrorKind::Config => "invalid configuration",
+            ErrorKind::Auth => "authentication failed",
             ErrorKind::Remote => "remote error",
             ErrorKind::Service => "service failed",
         }

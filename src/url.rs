@@ -1,4 +1,5 @@
-//! Endpoint URLs: `tcp://host:port`, `inproc://name`, `shm://name`, `rdma://host:port`.
+//! Endpoint URLs: `tcp://host:port`, `tls://host:port`, `inproc://name`, `shm://name`,
+//! `rdma://host:port`.
 
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
@@ -13,6 +14,15 @@ pub enum Endpoint {
     /// `tcp://host:port`: an IPv4 address, a bracketed IPv6 address (`[::1]`) or a host name,
     /// and a port (0 when binding picks one).
     Tcp {
+        /// Address or name.
+        host: String,
+        /// Port.
+        port: u16,
+    },
+    /// `tls://host:port` (feature `tls`): `tcp://` with TLS 1.3, both ends authenticated by
+    /// certificates as the context's [`TlsConfig`](crate::TlsConfig) says. A client checks
+    /// that the server's certificate names `host` (or the name the configuration gives).
+    Tls {
         /// Address or name.
         host: String,
         /// Port.
@@ -45,7 +55,7 @@ pub enum Endpoint {
     },
 }
 
-const SCHEMES: &str = "tcp://, shm://, inproc://, rdma://, rdma+sim://";
+const SCHEMES: &str = "tcp://, tls://, shm://, inproc://, rdma://, rdma+sim://";
 
 fn invalid(url: &str, why: impl fmt::Display) -> Error {
     Error::new(ErrorKind::InvalidUrl, format!("{url:?}: {why}"))
@@ -94,6 +104,10 @@ impl Endpoint {
                     name: rest.to_owned(),
                 })
             }
+            "tls" => match parse_tcp(url, rest)? {
+                Endpoint::Tcp { host, port } => Ok(Endpoint::Tls { host, port }),
+                _ => Err(invalid(url, "expected host:port")),
+            },
             "rdma" => match parse_tcp(url, rest)? {
                 Endpoint::Tcp { host, port } => Ok(Endpoint::Rdma { host, port }),
                 _ => Err(invalid(url, "expected host:port")),
@@ -120,6 +134,7 @@ impl Endpoint {
     pub fn scheme(&self) -> &'static str {
         match self {
             Endpoint::Tcp { .. } => "tcp",
+            Endpoint::Tls { .. } => "tls",
             Endpoint::Inproc { .. } => "inproc",
             Endpoint::Shm { .. } => "shm",
             Endpoint::Rdma { .. } => "rdma",
@@ -142,7 +157,8 @@ impl Endpoint {
                 .parse::<IpAddr>()
                 .ok()
                 .map(|ip| SocketAddr::new(ip, *port)),
-            Endpoint::Inproc { .. }
+            Endpoint::Tls { .. }
+            | Endpoint::Inproc { .. }
             | Endpoint::Shm { .. }
             | Endpoint::Rdma { .. }
             | Endpoint::RdmaSim { .. } => None,
@@ -218,6 +234,10 @@ impl fmt::Display for Endpoint {
                 write!(f, "tcp://[{host}]:{port}")
             }
             Endpoint::Tcp { host, port } => write!(f, "tcp://{host}:{port}"),
+            Endpoint::Tls { host, port } if host.contains(':') => {
+                write!(f, "tls://[{host}]:{port}")
+            }
+            Endpoint::Tls { host, port } => write!(f, "tls://{host}:{port}"),
             Endpoint::Inproc { name } => write!(f, "inproc://{name}"),
             Endpoint::Shm { name } => write!(f, "shm://{name}"),
             Endpoint::Rdma { host, port } if host.contains(':') => {
@@ -243,6 +263,8 @@ mod tests {
             ("shm://frames", "shm://frames"),
             ("shm:///run/app.sock", "shm:///run/app.sock"),
             ("rdma://10.0.0.1:7000", "rdma://10.0.0.1:7000"),
+            ("TLS://[::1]:9", "tls://[::1]:9"),
+            ("tls://svc.cluster.local:443", "tls://svc.cluster.local:443"),
             ("RDMA://[fe80::1]:7", "rdma://[fe80::1]:7"),
             ("rdma+sim://a/b", "rdma+sim://a/b"),
         ] {
@@ -267,6 +289,7 @@ mod tests {
             ("inproc://", ErrorKind::InvalidUrl, "inproc name"),
             ("udp://x:1", ErrorKind::UnsupportedScheme, "unknown scheme"),
             ("rdma://x", ErrorKind::InvalidUrl, "host:port"),
+            ("tls://x", ErrorKind::InvalidUrl, "host:port"),
             ("rdma+sim://", ErrorKind::InvalidUrl, "rdma+sim name"),
             ("shm://a/b", ErrorKind::InvalidUrl, "shm name"),
             ("shm://", ErrorKind::InvalidUrl, "shm name"),

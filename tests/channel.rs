@@ -21,6 +21,24 @@ enum T {
     /// `rdma+sim://`: the RDMA protocol and driver over the simulated verbs.
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     RdmaSim,
+    /// `tls://` (mutual TLS) on the inline engine and on io_uring I/O threads.
+    #[cfg_attr(not(feature = "tls"), allow(dead_code))]
+    TlsInline,
+    #[cfg_attr(not(feature = "tls"), allow(dead_code))]
+    TlsUring,
+}
+
+#[cfg(feature = "tls")]
+#[path = "common/certs.rs"]
+mod certs;
+
+#[cfg(feature = "tls")]
+fn with_tls(b: ContextBuilder) -> ContextBuilder {
+    b.tls(certs::mutual())
+}
+#[cfg(not(feature = "tls"))]
+fn with_tls(_: ContextBuilder) -> ContextBuilder {
+    unreachable!("tls:// cases run with the tls feature only")
 }
 
 static NAME: AtomicUsize = AtomicUsize::new(0);
@@ -36,6 +54,8 @@ impl T {
             T::Inline => b.io_engine(IoEngine::Inline).build().unwrap(),
             T::Shm => b.shm_segment(256, 1 << 20).build().unwrap(),
             T::RdmaSim => b.build().unwrap(),
+            T::TlsInline => with_tls(b).io_engine(IoEngine::Inline).build().unwrap(),
+            T::TlsUring => with_tls(b).io_engine(IoEngine::Uring).build().unwrap(),
         }
     }
 
@@ -43,6 +63,7 @@ impl T {
         match self {
             T::Inproc => format!("inproc://chan-{}", NAME.fetch_add(1, Ordering::Relaxed)),
             T::Uring | T::Epoll | T::Inline => "tcp://127.0.0.1:0".into(),
+            T::TlsInline | T::TlsUring => "tls://127.0.0.1:0".into(),
             T::RdmaSim => format!("rdma+sim://chan-{}", NAME.fetch_add(1, Ordering::Relaxed)),
             T::Shm => format!(
                 "shm://chan-{}-{}",
@@ -52,8 +73,12 @@ impl T {
         }
     }
 
+    /// tcp or tls: a port, not a name.
     fn is_tcp(self) -> bool {
-        matches!(self, T::Uring | T::Epoll | T::Inline)
+        matches!(
+            self,
+            T::Uring | T::Epoll | T::Inline | T::TlsInline | T::TlsUring
+        )
     }
 }
 
@@ -501,7 +526,12 @@ async fn listener_reports_its_address(t: T) {
     let url = t.url();
     let l = ctx.bind(&url).await.unwrap();
     if t.is_tcp() {
-        assert!(l.local_url().starts_with("tcp://127.0.0.1:"));
+        let scheme = url.split("://").next().unwrap();
+        assert!(
+            l.local_url().starts_with(&format!("{scheme}://127.0.0.1:")),
+            "{}",
+            l.local_url()
+        );
         assert!(
             !l.local_url().ends_with(":0"),
             "real port: {}",
@@ -531,6 +561,10 @@ macro_rules! suite {
         mod shm { $( #[tokio::test] async fn $name() { super::$name(super::T::Shm).await } )* }
         #[cfg(feature = "rdma")]
         mod rdma_sim { $( #[tokio::test] async fn $name() { super::$name(super::T::RdmaSim).await } )* }
+        #[cfg(feature = "tls")]
+        mod tls_inline { $( #[tokio::test] async fn $name() { super::$name(super::T::TlsInline).await } )* }
+        #[cfg(feature = "tls")]
+        mod tls_uring { $( #[tokio::test] async fn $name() { super::$name(super::T::TlsUring).await } )* }
     };
 }
 
@@ -603,6 +637,21 @@ mod threaded {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn cancelled_sends_uring() {
         cancelled_sends_arrive_once_or_not_at_all(T::Uring).await
+    }
+    #[cfg(feature = "tls")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ping_pong_tls_inline() {
+        ping_pong_many_times(T::TlsInline).await
+    }
+    #[cfg(feature = "tls")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn in_order_under_load_tls_inline() {
+        in_order_under_load(T::TlsInline).await
+    }
+    #[cfg(feature = "tls")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cancelled_sends_tls_inline() {
+        cancelled_sends_arrive_once_or_not_at_all(T::TlsInline).await
     }
 }
 

@@ -329,6 +329,15 @@ impl ContextBuilder {
         self
     }
 
+    /// Certificates and trust for `tls://` (feature `tls`): what this side proves and whom it
+    /// accepts; see [`TlsConfig`](crate::TlsConfig). Without it, binding or connecting to
+    /// `tls://` fails with [`ErrorKind::Config`]. Default: none.
+    #[cfg(feature = "tls")]
+    pub fn tls(mut self, tls: crate::TlsConfig) -> Self {
+        self.cfg.tls = Some(tls);
+        self
+    }
+
     /// Checks the settings and makes the context.
     pub fn build(mut self) -> Result<Context> {
         self.cfg.engine = self.env_engine?;

@@ -21,6 +21,7 @@ use futures_util::future::poll_fn;
 use futures_util::task::noop_waker_ref;
 
 use crate::error::Result;
+use crate::transport::identity::PeerIdentity;
 use crate::transport::{Parts, RecvHalf, SendHalf};
 use crate::wire::Limits;
 use crate::{Error, ErrorKind, Message};
@@ -34,6 +35,7 @@ pub struct ChannelInfo {
     local: String,
     peer: String,
     peer_limits: Limits,
+    peer_identity: Option<Arc<PeerIdentity>>,
     _keepalive: Option<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -57,6 +59,12 @@ impl ChannelInfo {
     pub fn peer_limits(&self) -> &Limits {
         &self.peer_limits
     }
+
+    /// Who the peer proved to be with its certificate, on `tls://` (a client always learns
+    /// the server's; a server the client's under mutual TLS); `None` elsewhere.
+    pub fn peer_identity(&self) -> Option<&PeerIdentity> {
+        self.peer_identity.as_deref()
+    }
 }
 
 impl fmt::Debug for ChannelInfo {
@@ -66,6 +74,7 @@ impl fmt::Debug for ChannelInfo {
             .field("transport", &self.transport)
             .field("local", &self.local)
             .field("peer", &self.peer)
+            .field("peer_identity", &self.peer_identity)
             .finish()
     }
 }
@@ -129,6 +138,7 @@ impl Channel {
             local: parts.local,
             peer: parts.peer,
             peer_limits: parts.peer_limits,
+            peer_identity: parts.peer_identity,
             _keepalive: parts.keepalive,
         });
         Channel {

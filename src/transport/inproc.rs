@@ -67,6 +67,7 @@ fn parts(out: &Arc<Pipe>, inp: &Arc<Pipe>, cfg: &Config, local: String, peer: St
         local,
         peer,
         peer_limits: cfg.limits,
+        peer_identity: None,
         keepalive: None,
     }
 }

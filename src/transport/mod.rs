@@ -17,6 +17,7 @@ use crate::{BodyMut, Error, ErrorKind, Message};
 
 #[cfg(any(feature = "tcp", feature = "shm", feature = "rdma"))]
 pub(crate) mod heartbeat;
+pub(crate) mod identity;
 #[cfg(feature = "inproc")]
 mod inproc;
 #[cfg(any(feature = "inproc", feature = "rdma"))]
@@ -156,6 +157,9 @@ pub(crate) struct Config {
     pub(crate) rdma_slot_size: u32,
     pub(crate) rdma_pool_bytes: u64,
     pub(crate) rdma_keepalive: Duration,
+    /// `tls://`: certificates and trust.
+    #[cfg(feature = "tls")]
+    pub(crate) tls: Option<tcp::tls::TlsConfig>,
 }
 
 impl Default for Config {
@@ -188,6 +192,8 @@ impl Default for Config {
             rdma_slot_size: 8192 + 512,
             rdma_pool_bytes: 256 << 20,
             rdma_keepalive: Duration::from_secs(1),
+            #[cfg(feature = "tls")]
+            tls: None,
         }
     }
 }
@@ -236,6 +242,8 @@ pub(crate) struct Parts {
     pub(crate) local: String,
     pub(crate) peer: String,
     pub(crate) peer_limits: Limits,
+    /// Who the peer proved to be (`tls://`).
+    pub(crate) peer_identity: Option<Arc<identity::PeerIdentity>>,
     /// Keeps shared machinery (I/O threads) alive as long as the channel.
     pub(crate) keepalive: Option<Arc<dyn Any + Send + Sync>>,
 }
@@ -290,7 +298,12 @@ impl Transports {
     pub(crate) async fn connect(&self, ep: &Endpoint) -> Result<Parts> {
         match ep {
             #[cfg(feature = "tcp")]
-            Endpoint::Tcp { host, port } => self.tcp.connect(host, *port).await,
+            Endpoint::Tcp { host, port } => self.tcp.connect(host, *port, None).await,
+            #[cfg(feature = "tls")]
+            Endpoint::Tls { host, port } => {
+                let session = tcp::tls::client(&self.cfg, host)?;
+                self.tcp.connect(host, *port, Some(session)).await
+            }
             #[cfg(feature = "inproc")]
             Endpoint::Inproc { name } => inproc::connect(&self.inproc, name).await,
             #[cfg(feature = "shm")]
@@ -307,7 +320,12 @@ impl Transports {
     pub(crate) async fn bind(&self, ep: &Endpoint) -> Result<(Box<dyn AcceptHalf>, String)> {
         match ep {
             #[cfg(feature = "tcp")]
-            Endpoint::Tcp { host, port } => self.tcp.bind(host, *port).await,
+            Endpoint::Tcp { host, port } => self.tcp.bind(host, *port, None).await,
+            #[cfg(feature = "tls")]
+            Endpoint::Tls { host, port } => {
+                let tls = tcp::tls::server(&self.cfg)?;
+                self.tcp.bind(host, *port, Some(tls)).await
+            }
             #[cfg(feature = "inproc")]
             Endpoint::Inproc { name } => inproc::bind(&self.inproc, name),
             #[cfg(feature = "shm")]

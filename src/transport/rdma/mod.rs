@@ -145,6 +145,7 @@ pub(crate) async fn finish(
         local,
         peer,
         peer_limits: limits,
+        peer_identity: None,
         keepalive: None,
     })
 }

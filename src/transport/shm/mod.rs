@@ -93,6 +93,7 @@ fn parts(
         local: url.to_owned(),
         peer,
         peer_limits,
+        peer_identity: None,
         keepalive: None,
     }
 }

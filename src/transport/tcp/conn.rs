@@ -288,7 +288,17 @@ pub(crate) async fn handshake<S: Io>(
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    return Err(Error::new(ErrorKind::Protocol, format!("handshake: {e:#}")));
+                    let why = match buf.first() {
+                        // A TLS record: handshake (22) or alert (21), version 3.x.
+                        Some(22 | 21) if buf.get(1) == Some(&3) => {
+                            "; the peer speaks TLS: use tls:// on both sides"
+                        }
+                        _ => "",
+                    };
+                    return Err(Error::new(
+                        ErrorKind::Protocol,
+                        format!("handshake: {e:#}{why}"),
+                    ));
                 }
             }
             if buf.capacity() - buf.len() < 1024 {

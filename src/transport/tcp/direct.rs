@@ -50,6 +50,7 @@ use socket2::SockRef;
 use tokio::net::TcpStream;
 
 use super::conn::FrameClock;
+use super::tls::Session;
 use crate::error::Result;
 use crate::transport::heartbeat::{Liveness, Silence, Tick};
 use crate::transport::{Config, RecvHalf, SendHalf};
@@ -72,6 +73,8 @@ const ERROR_WRITE: Duration = Duration::from_secs(1);
 /// What the halves and the flusher share.
 pub(super) struct Shared {
     stream: TcpStream,
+    /// `tls://`: the session records are sealed and opened with.
+    tls: Option<Arc<Session>>,
     w: Mutex<Writer>,
     /// The failure that ended the connection; the Sender reports it.
     error: OnceLock<Error>,
@@ -118,6 +121,9 @@ struct Writer {
     /// Bytes appended and written: flush and backpressure compare them.
     appended: u64,
     written: u64,
+    /// `tls://`: bytes sealed into records that wait in the session for the socket (they
+    /// count as written once it took them).
+    sealed: u64,
     stop_owed: bool,
     /// `CLOSE` is appended (the Sender closed or went).
     closing: bool,
@@ -153,7 +159,7 @@ impl Writer {
         self.appended += (self.batch.bytes() - before) as u64;
     }
 
-    /// Writes what is pending without blocking.
+    /// Writes what is pending without blocking (on `tls://`, sealed into records first).
     fn write(&mut self, sh: &Shared) -> io::Result<Wrote> {
         let stream = &sh.stream;
         let msgs = self.batch.messages() as u64;
@@ -161,27 +167,50 @@ impl Writer {
             sh.taken.fetch_add(msgs, Ordering::Release);
         }
         self.batch.take_into(&mut self.out);
-        while !self.out.is_empty() {
+        loop {
+            if let Some(tls) = &sh.tls {
+                // Records sealed before go first; their bytes count as written once the
+                // kernel has them.
+                if !tls.write_to(stream)? {
+                    return Ok(Wrote::Blocked);
+                }
+                if self.sealed > 0 {
+                    self.written += std::mem::take(&mut self.sealed);
+                    sh.written.store(self.written, Ordering::Release);
+                }
+            }
+            if self.out.is_empty() {
+                break;
+            }
             let mut iov = [IoSlice::new(&[]); 64];
             let n = self.out.len().min(iov.len());
             for (slot, b) in iov.iter_mut().zip(&self.out[..n]) {
                 *slot = IoSlice::new(b);
             }
-            let res = if self.out.len() > iov.len() {
-                let many: Vec<IoSlice<'_>> = self.out[..self.out.len().min(IOV_MAX)]
+            let many: Vec<IoSlice<'_>>;
+            let iov = if self.out.len() > iov.len() {
+                many = self.out[..self.out.len().min(IOV_MAX)]
                     .iter()
                     .map(|b| IoSlice::new(b))
                     .collect();
-                stream.try_write_vectored(&many)
+                &many[..]
             } else {
-                stream.try_write_vectored(&iov[..n])
+                &iov[..n]
+            };
+            let res = match &sh.tls {
+                None => stream.try_write_vectored(iov),
+                Some(tls) => tls.seal(iov),
             };
             match res {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => {
                     crate::wire::advance(&mut self.out, n);
-                    self.written += n as u64;
-                    sh.written.store(self.written, Ordering::Release);
+                    if sh.tls.is_some() {
+                        self.sealed += n as u64;
+                    } else {
+                        self.written += n as u64;
+                        sh.written.store(self.written, Ordering::Release);
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Wrote::Blocked),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -255,10 +284,12 @@ impl Shared {
 }
 
 /// Sets up a connection whose handshake is done: the two halves, and the flusher to spawn on
-/// the caller's runtime. `src` holds bytes that arrived after the peer's handshake.
+/// the caller's runtime. `src` holds bytes that arrived after the peer's handshake; on
+/// `tls://`, `tls` is the session and the ciphertext read but not yet opened.
 pub(super) fn start(
     stream: TcpStream,
     src: BytesMut,
+    tls: Option<(Arc<Session>, BytesMut)>,
     cfg: &Config,
     live: Liveness,
     peer: String,
@@ -267,13 +298,19 @@ pub(super) fn start(
     DirectReceiver,
     impl Future<Output = ()> + Send + 'static,
 ) {
+    let (tls, cipher) = match tls {
+        Some((session, cipher)) => (Some(session), cipher),
+        None => (None, BytesMut::new()),
+    };
     let sh = Arc::new(Shared {
         stream,
+        tls,
         w: Mutex::new(Writer {
             batch: Batch::default(),
             out: Vec::new(),
             appended: 0,
             written: 0,
+            sealed: 0,
             stop_owed: false,
             closing: false,
             close_written: false,
@@ -293,6 +330,7 @@ pub(super) fn start(
         r: Mutex::new(ReadState {
             dec: Decoder::new(cfg.limits),
             src,
+            cipher,
             stall: None,
             clock: FrameClock::new(cfg),
             early: std::collections::VecDeque::new(),
@@ -518,6 +556,8 @@ impl Drop for DirectSender {
 pub(super) struct ReadState {
     dec: Decoder,
     src: BytesMut,
+    /// `tls://`: ciphertext read and not yet opened.
+    cipher: BytesMut,
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
     /// The deadline of the frame that is only partly there.
     clock: FrameClock,
@@ -607,7 +647,7 @@ impl ReadState {
                 )));
             }
             let mid_frame = !self.dec.is_at_boundary(&self.src);
-            match self.read(&sh.stream, busy) {
+            match self.read(sh, busy) {
                 Ok(0) if mid_frame => {
                     return Poll::Ready(Err((
                         Error::new(
@@ -682,12 +722,9 @@ impl ReadState {
     }
 
     /// One non-blocking read: into a large body's own buffer, or into the shared buffer.
-    ///
-    /// `direct`: a `recv` system call whatever tokio's readiness says. tokio answers
-    /// `WouldBlock` without asking the kernel once a read found the socket empty, until its
-    /// reactor polls epoll again; a busy-polling receiver must ask the kernel itself.
-    fn read(&mut self, stream: &TcpStream, direct: bool) -> io::Result<usize> {
-        use bytes::BufMut;
+    /// On `tls://`, what the socket gives is ciphertext: it is read into `cipher` and opened
+    /// into the same places.
+    fn read(&mut self, sh: &Shared, direct: bool) -> io::Result<usize> {
         let (buf, most): (&mut BytesMut, usize) = match self.dec.body_target() {
             // Never past the body: what follows it belongs to the next frame.
             Some((body, missing)) => (body, missing),
@@ -699,17 +736,41 @@ impl ReadState {
                 (&mut self.src, usize::MAX)
             }
         };
-        if !direct {
-            return stream.try_read_buf(&mut buf.limit(most));
+        let Some(tls) = &sh.tls else {
+            return recv(&sh.stream, buf, most, direct);
+        };
+        loop {
+            if let Some(n) = tls.take(&mut self.cipher, buf, most)? {
+                return Ok(n);
+            }
+            if self.cipher.capacity() - self.cipher.len() < 4096 {
+                self.cipher.reserve(READ_CHUNK);
+            }
+            if recv(&sh.stream, &mut self.cipher, usize::MAX, direct)? == 0 {
+                tls.end_of_stream()?;
+                return Ok(tls.take(&mut self.cipher, buf, most)?.unwrap_or(0));
+            }
         }
-        let spare = buf.spare_capacity_mut();
-        let take = spare.len().min(most);
-        let n = SockRef::from(stream).recv(&mut spare[..take])?;
-        // SAFETY: `recv` initialised the first `n` bytes of the spare capacity (it returns how
-        // many it wrote, at most the length it was given).
-        unsafe { buf.advance_mut(n) };
-        Ok(n)
     }
+}
+
+/// One non-blocking read from `stream` into the spare capacity of `buf` (at most `most`).
+///
+/// `direct`: a `recv` system call whatever tokio's readiness says. tokio answers
+/// `WouldBlock` without asking the kernel once a read found the socket empty, until its
+/// reactor polls epoll again; a busy-polling receiver must ask the kernel itself.
+fn recv(stream: &TcpStream, buf: &mut BytesMut, most: usize, direct: bool) -> io::Result<usize> {
+    use bytes::BufMut;
+    if !direct {
+        return stream.try_read_buf(&mut buf.limit(most));
+    }
+    let spare = buf.spare_capacity_mut();
+    let take = spare.len().min(most);
+    let n = SockRef::from(stream).recv(&mut spare[..take])?;
+    // SAFETY: `recv` initialised the first `n` bytes of the spare capacity (it returns how
+    // many it wrote, at most the length it was given).
+    unsafe { buf.advance_mut(n) };
+    Ok(n)
 }
 
 fn protocol(e: impl std::fmt::Display) -> (Error, bool) {
@@ -858,6 +919,12 @@ async fn flusher(sh: Arc<Shared>, live: Liveness) {
             st.end.is_some() && st.early.is_empty()
         };
         if !write_shut && !blocked && receiver_finished && sh.lock().close_written {
+            if let Some(tls) = &sh.tls {
+                // Best effort: a FIN alone ends the stream as well (the CLOSE frame before it
+                // is what says the end was clean).
+                tls.close_notify();
+                let _ = tls.write_to(&sh.stream);
+            }
             let _ = SockRef::from(&sh.stream).shutdown(Shutdown::Write);
             write_shut = true;
         }

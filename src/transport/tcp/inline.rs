@@ -13,11 +13,13 @@ use std::net::SocketAddr;
 
 use super::direct;
 use super::setup::{self, TcpAccept};
-use super::sys::{EpollStream, Io};
+use super::sys::EpollStream;
+#[cfg(feature = "tls")]
+use super::tls::TlsIo;
+use super::tls::{Session, TlsConfig};
 use crate::error::Result;
 use crate::transport::{AcceptHalf, Config, Parts};
 use crate::url::Endpoint;
-use crate::wire::{Batch, Control};
 use crate::{Error, ErrorKind};
 
 fn runtime() -> Result<Handle> {
@@ -57,60 +59,84 @@ pub(super) fn runtime_usable() -> bool {
     usable
 }
 
-/// Handshake, then the halves; the connection's flusher is spawned on `rt`.
+/// Handshakes (TLS first on `tls://`), then the halves; the connection's flusher is spawned
+/// on `rt`.
 async fn establish(
     rt: &Handle,
     stream: tokio::net::TcpStream,
     local: SocketAddr,
     peer: SocketAddr,
     cfg: &Config,
+    tls: Option<Session>,
 ) -> Result<Parts> {
     let stream = EpollStream::new(stream);
-    let (peer_limits, live, leftover) = match super::conn::handshake(&stream, cfg).await {
-        Ok(r) => r,
-        Err(e) => {
-            if e.is_protocol() {
-                // Tell a hyperframes peer of another version why; harmless for anyone else.
-                let mut b = Batch::default();
-                b.push_control(&Control::Error(e.to_string()));
-                let _ = tokio::time::timeout(
-                    std::time::Duration::from_millis(200),
-                    stream.write_all(b.take()),
-                )
-                .await;
-            }
-            let _ = stream.shutdown(std::net::Shutdown::Both);
-            return Err(e);
+    let (stream, secured, peer_limits, live, leftover) = match tls {
+        None => {
+            let (limits, live, leftover) = setup::agree(&stream, cfg).await?;
+            (stream, None, limits, live, leftover)
         }
+        #[cfg(feature = "tls")]
+        Some(session) => {
+            let url = super::tls::url(peer);
+            let io = TlsIo::handshake(stream, session, &url, cfg.handshake_timeout).await?;
+            let agreed = setup::agree(&io, cfg).await;
+            let (limits, live, leftover) = agreed.map_err(|e| io.session().explain(e, &url))?;
+            let (stream, session, cipher) = io.into_parts();
+            (stream, Some((session, cipher)), limits, live, leftover)
+        }
+        #[cfg(not(feature = "tls"))]
+        Some(session) => match session {},
     };
     let peer_url = Endpoint::from_socket_addr(peer).to_string();
-    let (tx, rx, flusher) =
-        direct::start(stream.into_inner(), leftover, cfg, live, peer_url.clone());
+    #[cfg(feature = "tls")]
+    let session = secured.as_ref().map(|(s, _)| s.clone());
+    let (tx, rx, flusher) = direct::start(
+        stream.into_inner(),
+        leftover,
+        secured,
+        cfg,
+        live,
+        peer_url.clone(),
+    );
     rt.spawn(flusher);
-    Ok(Parts {
+    #[allow(unused_mut)] // only `tls://` relabels it
+    let mut parts = Parts {
         tx: Box::new(tx),
         rx: Box::new(rx),
         transport: "tcp",
         local: Endpoint::from_socket_addr(local).to_string(),
         peer: peer_url,
         peer_limits,
+        peer_identity: None,
         keepalive: None,
-    })
+    };
+    #[cfg(feature = "tls")]
+    if let Some(session) = session {
+        super::tls::label(&mut parts, &session, local, peer);
+    }
+    Ok(parts)
 }
 
-pub(super) async fn connect(host: &str, port: u16, cfg: &Config) -> Result<Parts> {
+pub(super) async fn connect(
+    host: &str,
+    port: u16,
+    cfg: &Config,
+    tls: Option<Session>,
+) -> Result<Parts> {
     let rt = runtime()?;
     let stream = setup::connect_tcp(host, port, cfg).await?;
     let (local, peer) = setup::addrs(&stream)?;
-    establish(&rt, stream, local, peer, cfg).await
+    establish(&rt, stream, local, peer, cfg, tls).await
 }
 
 pub(super) async fn bind(
     host: &str,
     port: u16,
     cfg: &Config,
+    tls: Option<TlsConfig>,
 ) -> Result<(Box<dyn AcceptHalf>, String)> {
     let rt = runtime()?;
+    let secure = tls.is_some();
     let listener = setup::bind_listener(host, port, cfg).await?;
     let local = listener
         .local_addr()
@@ -125,12 +151,17 @@ pub(super) async fn bind(
         let refused = counter.clone();
         setup::accept_loop(listener, tx, &cfg, &refused, |stream, peer, ticket| {
             let (to, cfg, counter) = (to.clone(), cfg.clone(), counter.clone());
+            let session = tls.as_ref().map(TlsConfig::acceptor).transpose();
             spawner.spawn(async move {
                 let Ok((local, _)) = setup::addrs(&stream) else {
                     return;
                 };
                 let rt = Handle::current();
-                match establish(&rt, stream, local, peer, &cfg).await {
+                let made = match session {
+                    Ok(session) => establish(&rt, stream, local, peer, &cfg, session).await,
+                    Err(e) => Err(e),
+                };
+                match made {
                     // Waits while the backlog is full; if the listener is gone, dropping the
                     // parts closes the connection.
                     Ok(parts) => {
@@ -148,8 +179,5 @@ pub(super) async fn bind(
         rejected,
         keepalive: None,
     };
-    Ok((
-        Box::new(half),
-        Endpoint::from_socket_addr(local).to_string(),
-    ))
+    Ok((Box::new(half), setup::listener_url(local, secure)))
 }

@@ -11,21 +11,26 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::admission::Ticket;
 use super::setup::{self, TcpAccept};
-use super::sys::{EpollStream, UringStream};
+use super::sys::{EpollStream, Io, UringStream};
+#[cfg(feature = "tls")]
+use super::tls::TlsIo;
+use super::tls::{Session, TlsConfig};
 use crate::error::Result;
 use crate::transport::{AcceptHalf, Config, IoEngine, Parts};
-use crate::url::Endpoint;
 use crate::{Error, ErrorKind};
 
 enum Command {
     Connect {
         host: String,
         port: u16,
+        /// Boxed: a TLS session is large, and a command is moved through a queue.
+        tls: Option<Box<Session>>,
         reply: oneshot::Sender<Result<Parts>>,
     },
     Bind {
         host: String,
         port: u16,
+        tls: Option<TlsConfig>,
         threads: Weak<IoThreads>,
         reply: oneshot::Sender<Result<(mpsc::Receiver<Parts>, SocketAddr)>>,
         rejected: Arc<AtomicU64>,
@@ -33,6 +38,7 @@ enum Command {
     Adopt {
         stream: std::net::TcpStream,
         peer: SocketAddr,
+        tls: Option<TlsConfig>,
         to: mpsc::Sender<Parts>,
         rejected: Arc<AtomicU64>,
         ticket: Ticket,
@@ -89,10 +95,16 @@ impl IoThreads {
         rx.await.map_err(|_| stopped())?
     }
 
-    pub(crate) async fn connect(&self, host: &str, port: u16) -> Result<Parts> {
+    pub(crate) async fn connect(
+        &self,
+        host: &str,
+        port: u16,
+        tls: Option<Session>,
+    ) -> Result<Parts> {
         self.call(|reply| Command::Connect {
             host: host.to_owned(),
             port,
+            tls: tls.map(Box::new),
             reply,
         })
         .await
@@ -102,12 +114,15 @@ impl IoThreads {
         self: &Arc<Self>,
         host: &str,
         port: u16,
+        tls: Option<TlsConfig>,
     ) -> Result<(Box<dyn AcceptHalf>, String)> {
         let rejected = Arc::new(AtomicU64::new(0));
+        let secure = tls.is_some();
         let (rx, local) = self
             .call(|reply| Command::Bind {
                 host: host.to_owned(),
                 port,
+                tls,
                 threads: Arc::downgrade(self),
                 reply,
                 rejected: rejected.clone(),
@@ -118,10 +133,7 @@ impl IoThreads {
             rejected,
             keepalive: Some(self.clone()),
         };
-        Ok((
-            Box::new(half),
-            Endpoint::from_socket_addr(local).to_string(),
-        ))
+        Ok((Box::new(half), setup::listener_url(local, secure)))
     }
 }
 
@@ -175,11 +187,13 @@ fn thread_main(
 
 type LocalDriver = Pin<Box<dyn Future<Output = ()>>>;
 
-/// Handshake on `engine`; the driver is boxed so both engines give one type.
+/// Handshakes on `engine` (TLS first on `tls://`); the driver is boxed so that every
+/// engine and both kinds of stream give one type.
 async fn establish(
     engine: IoEngine,
     std: std::net::TcpStream,
     cfg: &Config,
+    tls: Option<Session>,
 ) -> Result<(Parts, LocalDriver)> {
     let local = std
         .local_addr()
@@ -188,12 +202,38 @@ async fn establish(
     let registering = |e| Error::io("registering the socket", e);
     if engine == IoEngine::Uring {
         let s = UringStream::from_std(std).map_err(registering)?;
-        let (parts, driver) = setup::establish(s, local, peer, cfg).await?;
-        Ok((parts, Box::pin(driver)))
+        secured(s, local, peer, cfg, tls).await
     } else {
         let s = EpollStream::from_std(std).map_err(registering)?;
-        let (parts, driver) = setup::establish(s, local, peer, cfg).await?;
-        Ok((parts, Box::pin(driver)))
+        secured(s, local, peer, cfg, tls).await
+    }
+}
+
+async fn secured<S: Io + 'static>(
+    stream: S,
+    local: SocketAddr,
+    peer: SocketAddr,
+    cfg: &Config,
+    tls: Option<Session>,
+) -> Result<(Parts, LocalDriver)> {
+    match tls {
+        None => {
+            let (parts, driver) = setup::establish(stream, local, peer, cfg).await?;
+            Ok((parts, Box::pin(driver)))
+        }
+        #[cfg(feature = "tls")]
+        Some(session) => {
+            let url = super::tls::url(peer);
+            let io = TlsIo::handshake(stream, session, &url, cfg.handshake_timeout).await?;
+            let session = io.session().clone();
+            let (mut parts, driver) = setup::establish(io, local, peer, cfg)
+                .await
+                .map_err(|e| session.explain(e, &url))?;
+            super::tls::label(&mut parts, &session, local, peer);
+            Ok((parts, Box::pin(driver)))
+        }
+        #[cfg(not(feature = "tls"))]
+        Some(session) => match session {},
     }
 }
 
@@ -202,11 +242,16 @@ async fn serve(engine: IoEngine, mut cmds: mpsc::Receiver<Command>, cfg: Config)
     while let Some(cmd) = cmds.recv().await {
         let cfg = cfg.clone();
         match cmd {
-            Command::Connect { host, port, reply } => {
+            Command::Connect {
+                host,
+                port,
+                tls,
+                reply,
+            } => {
                 tasks.spawn_local(async move {
                     let res = match setup::connect_tcp(&host, port, &cfg).await {
                         Ok(stream) => match stream.into_std() {
-                            Ok(std) => establish(engine, std, &cfg).await,
+                            Ok(std) => establish(engine, std, &cfg, tls.map(|b| *b)).await,
                             Err(e) => Err(Error::io("taking the socket from the reactor", e)),
                         },
                         Err(e) => Err(e),
@@ -227,6 +272,7 @@ async fn serve(engine: IoEngine, mut cmds: mpsc::Receiver<Command>, cfg: Config)
             Command::Bind {
                 host,
                 port,
+                tls,
                 threads,
                 reply,
                 rejected,
@@ -255,6 +301,7 @@ async fn serve(engine: IoEngine, mut cmds: mpsc::Receiver<Command>, cfg: Config)
                             let to = to.clone();
                             let rejected = rejected.clone();
                             let threads = threads.upgrade();
+                            let tls = tls.clone();
                             async move {
                                 let (Some(threads), Ok(stream)) = (threads, stream.into_std())
                                 else {
@@ -263,6 +310,7 @@ async fn serve(engine: IoEngine, mut cmds: mpsc::Receiver<Command>, cfg: Config)
                                 let cmd = Command::Adopt {
                                     stream,
                                     peer,
+                                    tls,
                                     to,
                                     rejected,
                                     ticket,
@@ -277,12 +325,17 @@ async fn serve(engine: IoEngine, mut cmds: mpsc::Receiver<Command>, cfg: Config)
             Command::Adopt {
                 stream,
                 peer,
+                tls,
                 to,
                 rejected,
                 ticket,
             } => {
                 tasks.spawn_local(async move {
-                    match establish(engine, stream, &cfg).await {
+                    let made = match tls.as_ref().map(TlsConfig::acceptor).transpose() {
+                        Ok(session) => establish(engine, stream, &cfg, session).await,
+                        Err(e) => Err(e),
+                    };
+                    match made {
                         Ok((parts, driver)) => {
                             // Waits while the backlog is full; fails if the listener is gone,
                             // in which case dropping the parts closes the connection.

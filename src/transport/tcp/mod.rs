@@ -28,6 +28,11 @@ mod inline;
 mod io_thread;
 mod setup;
 mod sys;
+#[cfg(feature = "tls")]
+pub(crate) mod tls;
+#[cfg(not(feature = "tls"))]
+#[path = "tls_off.rs"]
+mod tls;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -86,25 +91,33 @@ impl Tcp {
         slot.as_ref().map(|t| t.engine())
     }
 
-    pub(crate) async fn connect(&self, host: &str, port: u16) -> Result<Parts> {
+    /// Connects to `host:port`; with `tls`, runs TLS over the connection (`tls://`).
+    pub(crate) async fn connect(
+        &self,
+        host: &str,
+        port: u16,
+        tls: Option<tls::Session>,
+    ) -> Result<Parts> {
         if self.inline() {
-            return inline::connect(host, port, &self.cfg).await;
+            return inline::connect(host, port, &self.cfg, tls).await;
         }
         let threads = self.threads()?;
-        let mut parts = threads.connect(host, port).await?;
+        let mut parts = threads.connect(host, port, tls).await?;
         parts.keepalive = Some(threads);
         Ok(parts)
     }
 
+    /// Listens at `host:port`; with `tls`, every accepted connection runs TLS (`tls://`).
     pub(crate) async fn bind(
         &self,
         host: &str,
         port: u16,
+        tls: Option<tls::TlsConfig>,
     ) -> Result<(Box<dyn AcceptHalf>, String)> {
         if self.inline() {
-            return inline::bind(host, port, &self.cfg).await;
+            return inline::bind(host, port, &self.cfg, tls).await;
         }
         let threads = self.threads()?;
-        threads.bind(host, port).await
+        threads.bind(host, port, tls).await
     }
 }

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use bytes::BytesMut;
 use socket2::SockRef;
 use tokio::sync::mpsc;
 
@@ -15,9 +16,10 @@ use super::admission::{Admission, Ticket};
 use super::conn::{self, Conn, TcpReceiver, TcpSender};
 use super::sys::{self, Io};
 use crate::error::Result;
+use crate::transport::heartbeat::Liveness;
 use crate::transport::{AcceptHalf, Config, Parts};
 use crate::url::Endpoint;
-use crate::wire::{Batch, Control};
+use crate::wire::{Batch, Control, Limits};
 use crate::{Error, ErrorKind};
 
 pub(super) async fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>> {
@@ -160,18 +162,15 @@ pub(super) fn with_ticket(mut parts: Parts, ticket: Ticket) -> Parts {
     parts
 }
 
-/// Handshake and channel halves for a connected `stream`; returns the driver to run.
-pub(super) async fn establish<S: Io>(
-    stream: S,
-    local: SocketAddr,
-    peer: SocketAddr,
-    cfg: &Config,
-) -> Result<(Parts, impl Future<Output = ()> + use<S>)> {
-    let (peer_limits, live, leftover) = match conn::handshake(&stream, cfg).await {
-        Ok(r) => r,
+/// The hyperframes handshake over `stream`: the peer's limits, what the two sides do about
+/// heartbeats, and the bytes that came after it. On failure the peer is told why when it
+/// may be a hyperframes peer of another version (harmless for anyone else), and the socket
+/// is shut down.
+pub(super) async fn agree<S: Io>(stream: &S, cfg: &Config) -> Result<(Limits, Liveness, BytesMut)> {
+    match conn::handshake(stream, cfg).await {
+        Ok(r) => Ok(r),
         Err(e) => {
             if e.is_protocol() {
-                // Tell a hyperframes peer of another version why; harmless for anyone else.
                 let mut b = Batch::default();
                 b.push_control(&Control::Error(e.to_string()));
                 let _ =
@@ -181,9 +180,19 @@ pub(super) async fn establish<S: Io>(
             // Shut the socket down before dropping it: on io_uring a read that timed out may
             // still be pending, and the descriptor is only closed once it completes.
             let _ = stream.shutdown(Shutdown::Both);
-            return Err(e);
+            Err(e)
         }
-    };
+    }
+}
+
+/// Handshake and channel halves for a connected `stream`; returns the driver to run.
+pub(super) async fn establish<S: Io>(
+    stream: S,
+    local: SocketAddr,
+    peer: SocketAddr,
+    cfg: &Config,
+) -> Result<(Parts, impl Future<Output = ()> + use<S>)> {
+    let (peer_limits, live, leftover) = agree(&stream, cfg).await?;
     let conn = Arc::new(Conn::new(cfg));
     let peer_url = Endpoint::from_socket_addr(peer).to_string();
     let parts = Parts {
@@ -193,10 +202,21 @@ pub(super) async fn establish<S: Io>(
         local: Endpoint::from_socket_addr(local).to_string(),
         peer: peer_url.clone(),
         peer_limits,
+        peer_identity: None,
         keepalive: None,
     };
     let driver = conn::drive(conn, stream, leftover, cfg.clone(), live, peer_url);
     Ok((parts, driver))
+}
+
+/// The URL a listener bound to `local` reports: `tls://` when it secures what it accepts.
+pub(super) fn listener_url(local: SocketAddr, tls: bool) -> String {
+    #[cfg(feature = "tls")]
+    if tls {
+        return super::tls::url(local);
+    }
+    let _ = tls;
+    Endpoint::from_socket_addr(local).to_string()
 }
 
 /// Local and peer address of a connected stream.
