@@ -5,7 +5,8 @@ use std::sync::OnceLock;
 
 use hyperframes::TlsConfig;
 use rcgen::{
-    BasicConstraints, Certificate, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose,
+    BasicConstraints, Certificate, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair,
+    KeyUsagePurpose,
 };
 
 /// A certificate authority.
@@ -50,9 +51,11 @@ impl Ca {
     ) -> Leaf {
         let sans: Vec<String> = sans.iter().map(|s| s.to_string()).collect();
         let mut p = CertificateParams::new(sans).unwrap();
-        p.distinguished_name.push(DnType::CommonName, cn);
+        // In the conventional order, most general first: rendered `CN=…,O=…`.
+        p.distinguished_name = DistinguishedName::new();
         p.distinguished_name
             .push(DnType::OrganizationName, "hyperframes tests");
+        p.distinguished_name.push(DnType::CommonName, cn);
         edit(&mut p);
         let key = KeyPair::generate().unwrap();
         let cert = p.signed_by(&key, &self.cert, &self.key).unwrap();

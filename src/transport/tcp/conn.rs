@@ -33,6 +33,8 @@ use crate::{Error, ErrorKind, Message};
 
 /// Bytes read into the shared receive buffer at a time (many small frames per read).
 const READ_CHUNK: usize = 256 << 10;
+/// Bytes read at a time while waiting for the peer's handshake.
+const HANDSHAKE_READ: usize = 1024;
 /// A write batch is cut at this many iovecs (Linux IOV_MAX is 1024)...
 const BATCH_MAX_IOVECS: usize = 512;
 /// ...or this many bytes.
@@ -277,7 +279,9 @@ pub(crate) async fn handshake<S: Io>(
             .write_all(vec![ours.freeze()])
             .await
             .map_err(|e| Error::io("sending the handshake", e))?;
-        let mut buf = BytesMut::with_capacity(READ_CHUNK);
+        // Small: a peer that connects and says nothing holds this for the handshake timeout
+        // (a handshake is 40 bytes; the frames after it get the large buffer).
+        let mut buf = BytesMut::with_capacity(HANDSHAKE_READ);
         loop {
             match Handshake::decode(&buf) {
                 Ok(Some((hs, n))) => {
@@ -301,8 +305,8 @@ pub(crate) async fn handshake<S: Io>(
                     ));
                 }
             }
-            if buf.capacity() - buf.len() < 1024 {
-                buf.reserve(READ_CHUNK);
+            if buf.capacity() == buf.len() {
+                buf.reserve(HANDSHAKE_READ);
             }
             let spare = buf.capacity() - buf.len();
             let (res, b) = stream.read(buf, spare).await;

@@ -46,6 +46,9 @@ use crate::{Error, ErrorKind};
 const WRITE_CHUNK: usize = 256 << 10;
 /// Ciphertext read at a time.
 const READ_CHUNK: usize = 64 << 10;
+/// ... and during the TLS handshake (a silent peer holds this until the handshake timeout;
+/// the buffer grows if a flight is larger).
+const HANDSHAKE_READ: usize = 4 << 10;
 
 /// TLS settings of a [`Context`](crate::Context), for `tls://` URLs: what this side proves
 /// (its certificate and key) and whom it trusts (a CA).
@@ -632,8 +635,9 @@ impl<S: Io> TlsIo<S> {
                 // Round again: rustls may have an answer to send, or want more.
                 continue;
             }
-            cipher.reserve(READ_CHUNK);
-            let (res, b) = self.inner.read(cipher, READ_CHUNK).await;
+            cipher.reserve(HANDSHAKE_READ);
+            let spare = cipher.capacity() - cipher.len();
+            let (res, b) = self.inner.read(cipher, spare).await;
             cipher = b;
             match res {
                 Ok(0) => {
