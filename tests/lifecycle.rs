@@ -202,6 +202,60 @@ async fn a_failed_connection_with_a_blocked_writer_is_closed(engine: IoEngine) {
     );
 }
 
+/// A client that promised no heartbeats (it turned them off) and then says nothing is
+/// dropped by the server after its idle timeout: both of the server's halves fail naming the
+/// timeout, and the client is told. One that keeps talking is not.
+async fn a_silent_peer_without_heartbeats_meets_the_idle_timeout(engine: IoEngine) {
+    let idle = Duration::from_millis(300);
+    let server_ctx = Context::builder()
+        .io_engine(engine)
+        .idle_timeout(Some(idle))
+        .build()
+        .unwrap();
+    let quiet = Context::builder()
+        .io_engine(engine)
+        .heartbeat(None, 10)
+        .idle_timeout(None)
+        .build()
+        .unwrap();
+    let mut l = server_ctx.bind("tcp://127.0.0.1:0").await.unwrap();
+    let url = l.local_url().to_owned();
+
+    // Talking every 100 ms: never idle.
+    let (c, s) = tokio::join!(quiet.connect(&url), l.accept());
+    let (mut talker, mut s) = (c.unwrap(), s.unwrap());
+    for _ in 0..8 {
+        talker.send(Message::new("t.tick").unwrap()).await.unwrap();
+        let got = timeout(GUARD, s.recv()).await.unwrap().unwrap();
+        assert!(got.is_ok(), "{got:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Silent: dropped after the timeout.
+    let (c, s) = tokio::join!(quiet.connect(&url), l.accept());
+    let (mut silent, s) = (c.unwrap(), s.unwrap());
+    let started = std::time::Instant::now();
+    let (mut stx, mut srx) = s.split();
+    let e = timeout(GUARD, srx.recv())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(e.kind(), ErrorKind::ConnectionLost, "{e}");
+    assert!(e.to_string().contains("idle_timeout"), "{e}");
+    assert!(took >= idle && took < idle * 4, "dropped after {took:?}");
+    let e = stx.send(Message::new("t.late").unwrap()).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::ConnectionLost, "{e}");
+    let told = timeout(GUARD, silent.recv())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(told.to_string().contains("idle_timeout"), "{told}");
+    drop(talker);
+}
+
 macro_rules! per_engine {
     ($($name:ident),* $(,)?) => {
         mod uring { $( #[tokio::test] async fn $name() { super::$name(hyperframes::IoEngine::Uring).await } )* }
@@ -215,6 +269,7 @@ per_engine!(
     a_clean_close_stays_clean,
     stop_after_close,
     a_failed_connection_with_a_blocked_writer_is_closed,
+    a_silent_peer_without_heartbeats_meets_the_idle_timeout,
 );
 
 /// The inline engine's driver is a task on the caller's runtime: when that runtime shuts

@@ -248,6 +248,18 @@ impl ContextBuilder {
         self
     }
 
+    /// How long a peer that promised no heartbeats (it turned them off, or predates them)
+    /// may send nothing while this side reads, before both halves fail with
+    /// [`ErrorKind::ConnectionLost`] (`tcp://`, `tls://`, `shm://`). Peers that promised
+    /// heartbeats are held to their promise instead (see [`heartbeat`](Self::heartbeat)), so
+    /// this only reclaims connections nobody speaks on: abandoned, or held open on purpose
+    /// to take a listener's places. As with heartbeats, silence counts only while this side
+    /// reads. `None` keeps such connections for ever. Default 120 s; at least 1 ms.
+    pub fn idle_timeout(mut self, idle: Option<Duration>) -> Self {
+        self.cfg.idle_timeout = idle;
+        self
+    }
+
     /// How long I/O threads keep flushing closed channels after the last user of the
     /// context is gone. Default 5 s.
     pub fn linger(mut self, d: Duration) -> Self {
@@ -390,6 +402,9 @@ impl ContextBuilder {
             return bad(format!(
                 "heartbeat interval {d:?}: use 1 ms to 1 h, or None"
             ));
+        }
+        if c.idle_timeout.is_some_and(|d| d < Duration::from_millis(1)) {
+            return bad("the idle timeout must be at least 1 ms, or None".into());
         }
         if c.heartbeat_misses < 2 {
             return bad("heartbeat misses must be at least 2".into());

@@ -33,8 +33,11 @@ pub(crate) struct Liveness {
     /// How often the peer promised to be heard from, and after how many of those intervals
     /// of silence it is lost (set only when it promised).
     pub(crate) watch: Option<(Duration, u32)>,
+    /// A peer that promised nothing is dropped after this much silence (the idle timeout).
+    pub(crate) idle: Option<Duration>,
     /// How often the connection looks: half our interval, so that what we send is never
-    /// further apart than the interval we announced.
+    /// further apart than the interval we announced (and at least four times per idle
+    /// timeout).
     pub(crate) tick: Option<Duration>,
 }
 
@@ -42,38 +45,59 @@ pub(crate) struct Liveness {
 impl Liveness {
     /// For a connection with our settings in `cfg`, whose peer understands heartbeats (or
     /// not) and promised `peer_interval` (or nothing). Heartbeats off in `cfg` turn off both
-    /// directions: we send none and expect none.
+    /// directions: we send none and expect none; a peer that promised none is held to the
+    /// idle timeout whatever our own heartbeats.
     pub(crate) fn new(
         cfg: &Config,
         peer_understands: bool,
         peer_interval: Option<Duration>,
     ) -> Self {
-        let Some(ours) = cfg.heartbeat else {
-            return Liveness::default();
+        let ours = cfg.heartbeat;
+        let idle = cfg.idle_timeout.filter(|_| peer_interval.is_none());
+        let tick = match (ours.map(|o| o / 2), idle.map(|i| i / 4)) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         };
         Liveness {
-            send_every: peer_understands.then_some(ours),
-            watch: peer_interval.map(|p| (p, cfg.heartbeat_misses)),
-            tick: Some((ours / 2).max(Duration::from_millis(1))),
+            send_every: ours.filter(|_| peer_understands),
+            watch: ours.and(peer_interval).map(|p| (p, cfg.heartbeat_misses)),
+            idle,
+            tick: tick.map(|t| t.max(Duration::from_millis(1))),
         }
     }
 
     /// Whether the connection has anything to do on a tick.
     pub(crate) fn active(&self) -> bool {
-        self.tick.is_some() && (self.send_every.is_some() || self.watch.is_some())
+        self.tick.is_some()
+            && (self.send_every.is_some() || self.watch.is_some() || self.idle.is_some())
     }
 
-    /// The silence watch, if the peer promised to be heard from.
+    /// The silence watch: the peer's promise, or the idle timeout for a peer that made none.
     pub(crate) fn silence(&self, now: Instant) -> Option<Silence> {
-        self.watch
-            .map(|(interval, misses)| Silence::new(interval.saturating_mul(misses), now))
+        let limit = match self.watch {
+            Some((interval, misses)) => Some(interval.saturating_mul(misses)),
+            None => self.idle,
+        };
+        limit.map(|l| Silence::new(l, now))
     }
 
     /// The error both halves report when the peer was silent for `silent`. `who` names the
     /// channel: its transport and the peer's address.
     pub(crate) fn lost(&self, who: &str, silent: Duration) -> Error {
-        let (interval, misses) = self.watch.unwrap_or_default();
-        lost(who, silent, interval, misses)
+        match (self.watch, self.idle) {
+            (None, Some(idle)) => Error::new(
+                ErrorKind::ConnectionLost,
+                format!(
+                    "{who} sent nothing for {silent:.1?}; it promised no heartbeats, and a peer \
+                     without them is dropped after {idle:?} of silence \
+                     (ContextBuilder::idle_timeout)"
+                ),
+            ),
+            (watch, _) => {
+                let (interval, misses) = watch.unwrap_or_default();
+                lost(who, silent, interval, misses)
+            }
+        }
     }
 }
 
@@ -187,17 +211,42 @@ mod tests {
         let l = Liveness::new(&on, true, Some(300 * MS));
         assert_eq!(l.send_every, Some(100 * MS));
         assert_eq!(l.watch, Some((300 * MS, 5)));
+        assert_eq!(l.idle, None);
         assert_eq!(l.tick, Some(50 * MS));
         assert!(l.active());
         // A peer that does not understand them gets none; one that promised nothing is
-        // not watched.
+        // held to the idle timeout.
         let l = Liveness::new(&on, false, None);
         assert_eq!((l.send_every, l.watch), (None, None));
-        assert!(!l.active());
+        assert_eq!(l.idle, Some(Duration::from_secs(120)));
+        assert!(l.active());
+        let t0 = Instant::now();
+        let mut s = l.silence(t0).unwrap();
+        assert_eq!(
+            s.check(t0 + Duration::from_secs(121), 0, true),
+            Err(Duration::from_secs(121))
+        );
+        let e = l.lost("tcp peer x", Duration::from_secs(121)).to_string();
+        assert!(e.contains("idle_timeout"), "{e}");
         // Off on our side: neither, whatever the peer does.
         let l = Liveness::new(&cfg(None, 5), true, Some(MS));
         assert_eq!(l, Liveness::default());
         assert!(!l.active());
+        // ... but a silent peer without heartbeats still meets the idle timeout; and with
+        // none of either there is nothing to do.
+        let l = Liveness::new(&cfg(None, 5), true, None);
+        assert_eq!(
+            (l.idle, l.tick),
+            (
+                Some(Duration::from_secs(120)),
+                Some(Duration::from_secs(30))
+            )
+        );
+        let off = Config {
+            idle_timeout: None,
+            ..cfg(None, 5)
+        };
+        assert!(!Liveness::new(&off, true, None).active());
     }
 
     #[test]

@@ -146,6 +146,8 @@ pub(crate) struct Config {
     /// intervals of silence make it lost.
     pub(crate) heartbeat: Option<Duration>,
     pub(crate) heartbeat_misses: u32,
+    /// How long a peer that promised no heartbeats may be silent while we read.
+    pub(crate) idle_timeout: Option<Duration>,
     pub(crate) linger: Duration,
     pub(crate) busy_poll: bool,
     pub(crate) shm_ring_entries: u32,
@@ -182,6 +184,7 @@ impl Default for Config {
             keepalive: Some(Duration::from_secs(10)),
             heartbeat: Some(Duration::from_secs(1)),
             heartbeat_misses: 10,
+            idle_timeout: Some(Duration::from_secs(120)),
             linger: Duration::from_secs(5),
             busy_poll: false,
             shm_ring_entries: 4096,
