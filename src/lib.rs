@@ -9,7 +9,7 @@
 //! | scheme | transport |
 //! |---|---|
 //! | `tcp://host:port` | TCP in the tasks that use it inside a tokio runtime; elsewhere on io_uring I/O threads, epoll where io_uring is refused |
-//! | `tls://host:port` | `tcp://` with TLS 1.3 and certificates, mutual if asked (feature `tls`; see [`TlsConfig`](crate::TlsConfig)) |
+//! | `tls://host:port` | `tcp://` with TLS 1.3 and certificates, mutual if asked (feature `tls`; see [`TlsConfig`]) |
 //! | `inproc://name` | inside one process; bodies move as `Bytes` |
 //! | `shm://name` | two processes on one host, through shared memory |
 //! | `rdma://host:port` | RDMA (InfiniBand, RoCE), feature `rdma` (a GPL-3.0 build: it links async-rdma) |
