@@ -288,7 +288,14 @@ fn configuration_errors_say_what_is_missing() {
     assert_eq!(e.kind(), ErrorKind::Config);
     assert!(e.to_string().contains("needs its private key"), "{e}");
     let e = TlsConfig::from_pem(None, None, Some(b"not a certificate")).unwrap_err();
-    assert!(e.to_string().contains("no certificate"), "{e}");
+    assert!(e.to_string().contains("no PEM certificate"), "{e}");
+    // From files, a file that is not what its flag says is named by its path.
+    let junk = std::env::temp_dir().join(format!("hf-tls-junk-{}.pem", std::process::id()));
+    std::fs::write(&junk, "not a key").unwrap();
+    let e = TlsConfig::from_pem_files(None, None, Some(&junk)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert!(e.to_string().contains(junk.to_str().unwrap()), "{e}");
+    let _ = std::fs::remove_file(&junk);
     let e = TlsConfig::from_pem(None, None, None).unwrap_err();
     assert!(e.to_string().contains("give a certificate"), "{e}");
     let e =

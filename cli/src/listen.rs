@@ -23,12 +23,15 @@ Text the peer chose (metadata values, its error reasons) is printed escaped: con
 characters, C1 controls and bidi overrides come out as \\u escapes, never raw.
 
 Security: tcp:// has no authentication and no encryption: anyone who can reach the port can
-send to it and read the echoes. Listen on 127.0.0.1 unless the network is trusted.
+send to it and read the echoes. Listen on 127.0.0.1 unless the network is trusted, or use
+tls:// (TLS 1.3): --cert and --key prove this listener, and with --ca every client must
+present a certificate that CA signed (mutual TLS). Each connection's verified client
+certificate is named on stderr.
 
 Examples:
   hf listen tcp://127.0.0.1:0                 # any free port; see stderr for which
   hf listen tcp://127.0.0.1:5555 --echo --count 10
-  hf listen tcp://0.0.0.0:5555                # every interface: trusted networks only";
+  hf listen tls://0.0.0.0:5555 --cert node.crt --key node.key --ca cluster-ca.crt";
 
 /// How long, once `--count` is reached, open connections get to end cleanly.
 const DRAIN_GRACE: Duration = Duration::from_secs(5);
@@ -36,8 +39,8 @@ const DRAIN_GRACE: Duration = Duration::from_secs(5);
 /// Arguments of `hf listen`.
 #[derive(Debug, Args)]
 pub(crate) struct ListenArgs {
-    /// Where to listen: tcp://HOST:PORT (port 0 picks a free one), shm://NAME or
-    /// shm:///PATH.sock.
+    /// Where to listen: tcp://HOST:PORT (port 0 picks a free one), tls://HOST:PORT,
+    /// shm://NAME or shm:///PATH.sock.
     #[arg(value_name = "URL")]
     url: String,
 
@@ -59,14 +62,18 @@ pub(crate) struct ListenArgs {
         crate::units::SIZE_HELP
     ))]
     max_body: String,
+
+    #[command(flatten)]
+    tls: crate::tls::TlsArgs,
 }
 
 /// Runs `hf listen`.
 pub(crate) async fn run(args: ListenArgs) -> Result<(), Failure> {
     crate::reachable(&args.url)?;
+    args.tls.check(&args.url, true)?;
     let max_body =
         parse_size(&args.max_body).map_err(|e| Failure::usage(format!("bad --max-body {e:#}")))?;
-    let ctx = build_context(Context::builder().max_body(max_body))?;
+    let ctx = build_context(args.tls.apply(Context::builder().max_body(max_body))?)?;
     let mut listener = ctx
         .bind(&args.url)
         .await
@@ -141,6 +148,10 @@ fn interrupted() -> Result<impl Future<Output = ()>, Failure> {
 async fn serve(ch: Channel, printer: Arc<Printer>, echo: bool) {
     let peer = ch.info().peer_url().to_owned();
     tracing::info!(%peer, "connection accepted");
+    if let Some(id) = ch.info().peer_identity() {
+        // The peer's own text, escaped by Display.
+        eprintln!("hf: connection from {peer}: certificate {id}");
+    }
     let (mut tx, mut rx) = ch.split();
     let mut echoing = echo;
     let mut printing = true;

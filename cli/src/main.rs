@@ -35,6 +35,7 @@ mod doctor;
 mod listen;
 mod output;
 mod send;
+mod tls;
 mod units;
 
 use std::fmt;
@@ -50,12 +51,14 @@ Examples:
   hf doctor                 # is this host set up for speed? each finding with its fix
 
 URLs: tcp://HOST:PORT (IPv6 in brackets: tcp://[::1]:5555; port 0 picks a free port when
-listening), shm://NAME or shm:///PATH.sock (two processes on this host, shared memory),
+listening), tls://HOST:PORT (tcp with TLS 1.3: --cert, --key, --ca), shm://NAME or
+shm:///PATH.sock (two processes on this host, shared memory),
 rdma://HOST:PORT (feature rdma). inproc://NAME lives inside one process: hf listen and
 hf send refuse it, as no other process could reach it.
 
 Security: tcp:// is neither authenticated nor encrypted; bind to 127.0.0.1 or a trusted
-network. shm:// admits only this user's processes.
+network, or use tls:// with certificates (mutual with --ca on the listener). shm:// admits
+only this user's processes.
 
 Exit status: 0 success; 1 run-time failure (connection refused or lost, unreadable file,
 address in use); 2 bad command line (unknown flag, bad URL, type, metadata or size).

@@ -21,15 +21,20 @@ Messages are queued without waiting for each write; at the end hf closes its dir
 peer to close its own (draining anything it echoed meanwhile) and exits 0. Nothing is
 printed on stdout.
 
+tls:// needs --ca (the CA that signed the server's certificate, which must name the URL's
+host or --server-name), and --cert and --key where the listener asks for a client
+certificate.
+
 Examples:
   hf send tcp://127.0.0.1:5555 --type demo.hello --meta k=v --size 1KiB --count 2
+  hf send tls://node-7:5555 -t demo.hello --ca cluster-ca.crt --cert me.crt --key me.key
   hf send tcp://127.0.0.1:5555 -t logs.line --file /var/log/syslog
   echo hi | hf send tcp://127.0.0.1:5555 -t demo.stdin --file -";
 
 /// Arguments of `hf send`.
 #[derive(Debug, Args)]
 pub(crate) struct SendArgs {
-    /// Where to connect: tcp://HOST:PORT, shm://NAME or shm:///PATH.sock.
+    /// Where to connect: tcp://HOST:PORT, tls://HOST:PORT, shm://NAME or shm:///PATH.sock.
     #[arg(value_name = "URL")]
     url: String,
 
@@ -69,6 +74,9 @@ pub(crate) struct SendArgs {
     /// Print a summary on stderr when done.
     #[arg(short, long)]
     verbose: bool,
+
+    #[command(flatten)]
+    tls: crate::tls::TlsArgs,
 }
 
 /// Builds a body of `len` bytes of the pattern `i % 251`.
@@ -134,6 +142,7 @@ fn read_body(args: &SendArgs) -> Result<BodySource, Failure> {
 pub(crate) async fn run(args: SendArgs) -> Result<(), Failure> {
     // Everything that can be checked without the peer is checked before connecting.
     crate::reachable(&args.url)?;
+    args.tls.check(&args.url, false)?;
     let kind = MsgType::new(&args.kind)
         .map_err(|e| Failure::usage(format!("bad --type {:?}: {e:#}", args.kind)))?;
     let meta = parse_meta(&args.meta)?;
@@ -146,7 +155,7 @@ pub(crate) async fn run(args: SendArgs) -> Result<(), Failure> {
     let linger = Duration::from_secs_f64(args.linger.min(1e9));
     let source = read_body(&args)?;
 
-    let ctx = build_context(Context::builder())?;
+    let ctx = build_context(args.tls.apply(Context::builder())?)?;
     let started = Instant::now();
     let ch = ctx.connect(&args.url).await.map_err(|e| {
         if e.kind() == ErrorKind::ConnectionRefused {

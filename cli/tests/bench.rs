@@ -77,7 +77,7 @@ fn standard_points_on_every_transport() {
             "--warmup",
             "20",
             "--transport",
-            "inproc,tcp,shm",
+            "inproc,tcp,tls,shm",
         ])
         .arg("--json")
         .arg(&json)
@@ -126,7 +126,7 @@ fn standard_points_on_every_transport() {
         assert_eq!(p["verified"], pat == "bw", "{p}");
     }
     let mut want = Vec::new();
-    for t in ["inproc", "tcp", "shm"] {
+    for t in ["inproc", "tcp", "tls", "shm"] {
         for (pat, size) in [("lat", 64), ("rate", 64), ("rate", 32768), ("bw", 4194304)] {
             want.push(format!("{t} {pat} {size}"));
         }

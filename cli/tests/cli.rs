@@ -213,8 +213,8 @@ fn listen_at(at: &str, args: &[&str], env: &[(&str, &str)]) -> Listening {
         }
         stderr_so_far.push(line);
     };
-    if at.starts_with("tcp://") {
-        assert!(url.starts_with("tcp://127.0.0.1:"), "{url}");
+    if let Some(scheme @ ("tcp://" | "tls://")) = at.get(..6) {
+        assert!(url.starts_with(&format!("{scheme}127.0.0.1:")), "{url}");
         assert!(!url.ends_with(":0"), "the real port, not 0: {url}");
     } else {
         assert_eq!(url, at);
@@ -886,4 +886,207 @@ fn doctor_usage() {
     }
     let out = run(&["--help"]);
     assert!(out.stdout.join("\n").contains("doctor"));
+}
+
+// -- tls:// ------------------------------------------------------------------------------------
+
+#[cfg(feature = "tls")]
+#[path = "../../tests/common/certs.rs"]
+mod certs;
+
+/// A CA, a server certificate for 127.0.0.1, a client certificate, and a certificate from a
+/// CA nobody trusts, as PEM files in a directory removed on drop.
+#[cfg(feature = "tls")]
+struct TlsFiles {
+    dir: std::path::PathBuf,
+}
+
+#[cfg(feature = "tls")]
+impl TlsFiles {
+    fn new(name: &str) -> TlsFiles {
+        let dir = std::env::temp_dir().join(format!("hf-cli-tls-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca = certs::Ca::new("hf test CA");
+        let stranger = certs::Ca::new("nobody's CA").leaf("mallory", &["127.0.0.1"]);
+        let server = ca.leaf("node-7", &["127.0.0.1"]);
+        let client = ca.leaf("trainer-3", &["trainer-3.cluster"]);
+        let write = |file: &str, pem: &str| std::fs::write(dir.join(file), pem).unwrap();
+        write("ca.crt", &ca.pem);
+        write("server.crt", &server.cert);
+        write("server.key", &server.key);
+        write("client.crt", &client.cert);
+        write("client.key", &client.key);
+        write("stranger.crt", &stranger.cert);
+        write("stranger.key", &stranger.key);
+        TlsFiles { dir }
+    }
+
+    fn path(&self, file: &str) -> String {
+        self.dir.join(file).to_str().unwrap().to_owned()
+    }
+
+    /// `--cert WHO.crt --key WHO.key`, with `--ca ca.crt`.
+    fn args(&self, who: &str) -> Vec<String> {
+        vec![
+            "--cert".into(),
+            self.path(&format!("{who}.crt")),
+            "--key".into(),
+            self.path(&format!("{who}.key")),
+            "--ca".into(),
+            self.path("ca.crt"),
+        ]
+    }
+}
+
+#[cfg(feature = "tls")]
+impl Drop for TlsFiles {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[cfg(feature = "tls")]
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// Mutual TLS through `hf listen` and `hf send`: the listener names the client's verified
+/// certificate; a client without a certificate, one from an unknown CA and one expecting
+/// another server name are each refused with one line, and the listener goes on serving.
+#[cfg(feature = "tls")]
+#[test]
+fn mutual_tls_listen_and_send() {
+    let f = TlsFiles::new("mutual");
+    let server = f.args("server");
+    let mut args = strs(&server);
+    args.extend(["--count", "1"]);
+    let mut l = listen_at("tls://127.0.0.1:0", &args, &[]);
+
+    // No client certificate: the listener asked for one.
+    let out = run(&["send", &l.url, "-t", "demo.anon", "--ca", &f.path("ca.crt")]);
+    assert_eq!(out.status.code(), Some(1), "{:#?}", out.stderr);
+    let err = one_error_line(&out);
+    eprintln!("{err}");
+    assert!(err.contains("certificate"), "{err}");
+    // A certificate from a CA the listener does not trust.
+    let stranger = [
+        "--cert",
+        &f.path("stranger.crt"),
+        "--key",
+        &f.path("stranger.key"),
+        "--ca",
+        &f.path("ca.crt"),
+    ];
+    let mut cmd = vec!["send", &l.url, "-t", "demo.stranger"];
+    cmd.extend(stranger);
+    let out = run(&cmd);
+    assert_eq!(out.status.code(), Some(1), "{:#?}", out.stderr);
+    let err = one_error_line(&out);
+    eprintln!("{err}");
+    assert!(err.contains("certificate"), "{err}");
+    // The right certificates, but expecting another server.
+    let client = f.args("client");
+    let mut cmd = vec!["send", &l.url, "-t", "demo.name", "--server-name", "db-1"];
+    cmd.extend(strs(&client));
+    let out = run(&cmd);
+    assert_eq!(out.status.code(), Some(1), "{:#?}", out.stderr);
+    let err = one_error_line(&out);
+    eprintln!("{err}");
+    assert!(err.contains("db-1"), "{err}");
+
+    // A good client is served, and its certificate named.
+    let mut args = vec!["-t", "demo.hello", "--meta", "k=v", "-s", "100KiB"];
+    args.extend(strs(&client));
+    send(&l.url, &args, &[]);
+    let line = l.next_stderr_line();
+    assert!(line.starts_with("hf: connection from "), "{line}");
+    assert!(line.contains("CN=trainer-3"), "{line}");
+    assert!(line.contains("trainer-3.cluster"), "{line}");
+    let out = l.finish();
+    assert_eq!(out.stdout.len(), 1, "{:#?}", out.stdout);
+    check_line(
+        &out.stdout[0],
+        "demo.hello",
+        &[("k", "v")],
+        &pattern(100 * 1024),
+    );
+}
+
+/// Without --ca the listener takes any client (encryption and server authentication only);
+/// plaintext and TLS on the wrong side are refused, each side saying what to change.
+#[cfg(feature = "tls")]
+#[test]
+fn server_only_tls_and_scheme_mismatches() {
+    let f = TlsFiles::new("server-only");
+    let (cert, key) = (f.path("server.crt"), f.path("server.key"));
+    let l = listen_at(
+        "tls://127.0.0.1:0",
+        &["--cert", &cert, "--key", &key, "--count", "1"],
+        &[],
+    );
+    // A plaintext client at the TLS listener.
+    let plain = l.url.replacen("tls://", "tcp://", 1);
+    let out = run(&["send", &plain, "-t", "demo.plain"]);
+    assert_eq!(out.status.code(), Some(1), "{:#?}", out.stderr);
+    let err = one_error_line(&out);
+    eprintln!("{err}");
+    assert!(err.contains("tls://"), "{err}");
+    send(
+        &l.url,
+        &["-t", "demo.server.only", "--ca", &f.path("ca.crt")],
+        &[],
+    );
+    let out = l.finish();
+    assert_eq!(out.stdout.len(), 1, "{:#?}", out.stdout);
+    check_line(&out.stdout[0], "demo.server.only", &[], &pattern(0));
+
+    // A TLS client at a plaintext listener.
+    let l = listen(&["--count", "1"], &[]);
+    let secure = l.url.replacen("tcp://", "tls://", 1);
+    let out = run(&["send", &secure, "-t", "demo.tls", "--ca", &f.path("ca.crt")]);
+    assert_eq!(out.status.code(), Some(1), "{:#?}", out.stderr);
+    let err = one_error_line(&out);
+    eprintln!("{err}");
+    assert!(err.contains("tcp://") || err.contains("plaintext"), "{err}");
+    send(&l.url, &["-t", "demo.after"], &[]);
+    l.finish();
+}
+
+/// Flags a URL cannot use, and tls:// without the flags it needs, are usage errors (2).
+#[test]
+fn tls_flags_are_checked() {
+    let missing = std::env::temp_dir().join("hf-cli-no-such.pem");
+    let missing = missing.to_str().unwrap();
+    for (args, says) in [
+        (&["listen", "tls://127.0.0.1:0"][..], "--cert"),
+        (&["send", "tls://127.0.0.1:1", "-t", "a.b"], "--ca"),
+        (
+            &["send", "tcp://127.0.0.1:1", "-t", "a.b", "--ca", missing],
+            "tls://",
+        ),
+        (&["listen", "tls://127.0.0.1:0", "--cert", missing], "--key"),
+    ] {
+        let out = run(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {:#?}", out.stderr);
+        let text = out.stderr.join("\n");
+        assert!(text.contains(says), "{args:?}: {text}");
+    }
+    #[cfg(feature = "tls")]
+    {
+        let junk = std::env::temp_dir().join(format!("hf-cli-junk-{}.pem", std::process::id()));
+        std::fs::write(&junk, "not a certificate\n").unwrap();
+        let junk = junk.to_str().unwrap().to_owned();
+        let out = run(&[
+            "listen",
+            "tls://127.0.0.1:0",
+            "--cert",
+            &junk,
+            "--key",
+            &junk,
+        ]);
+        assert_eq!(out.status.code(), Some(2), "{:#?}", out.stderr);
+        let err = one_error_line(&out);
+        assert!(err.contains(&junk), "names the file: {err}");
+        let _ = std::fs::remove_file(&junk);
+    }
 }

@@ -38,7 +38,7 @@ use report::Row;
 
 /// Printed after `hf bench --help`.
 pub(crate) const AFTER_HELP: &str = "\
-With no options: every transport available (inproc, tcp, shm; rdma where a device exists)
+With no options: every transport available (inproc, tcp, tls, shm; rdma where a device exists)
 on loopback, with the peer in a second process, through the standard points: latency (ping-
 pong, 64 B), message rate (64 B and 32 KiB streaming) and bandwidth (4 MiB).
 
@@ -57,12 +57,18 @@ Examples:
   hf bench --transport tcp --pattern lat --rate 20000 --duration 5
   hf bench --json results.jsonl
   hf bench --serve tcp://0.0.0.0:7000         (on host A)
-  hf bench --connect tcp://hostA:7000         (on host B)";
+  hf bench --connect tcp://hostA:7000         (on host B)
+  hf bench --serve tls://0.0.0.0:7000 --cert a.crt --key a.key --ca ca.crt
+  hf bench --connect tls://hostA:7000 --cert b.crt --key b.key --ca ca.crt
+
+On loopback, tls uses throwaway certificates made for the run (both ends present one:
+mutual TLS), unless --cert, --key and --ca are given.";
 
 /// Arguments of `hf bench`.
 #[derive(Debug, Args)]
 pub(crate) struct BenchArgs {
-    /// Transports to measure, comma-separated: inproc, tcp, shm, rdma [default: all available]
+    /// Transports to measure, comma-separated: inproc, tcp, tls, shm, rdma [default: all
+    /// available]
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     transport: Vec<String>,
 
@@ -123,6 +129,9 @@ pub(crate) struct BenchArgs {
     /// With --serve: answer one runner, then exit (how the runner spawns its peer).
     #[arg(long, requires = "serve", hide = true)]
     once: bool,
+
+    #[command(flatten)]
+    tls: crate::tls::TlsArgs,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -134,13 +143,14 @@ enum PatternArg {
 }
 
 /// The transports `hf bench` tries when `--transport` is not given, in order.
-const TRANSPORTS: [&str; 4] = ["inproc", "tcp", "shm", "rdma"];
+const TRANSPORTS: [&str; 5] = ["inproc", "tcp", "tls", "shm", "rdma"];
 
 /// Where the runner's peer listens for `transport`, on this host.
 fn local_url(transport: &str) -> Option<String> {
     Some(match transport {
         "inproc" => "inproc://hf-bench".into(),
         "tcp" => "tcp://127.0.0.1:0".into(),
+        "tls" => "tls://127.0.0.1:0".into(),
         "shm" => format!("shm://hf-bench-{}", std::process::id()),
         "rdma" => "rdma://127.0.0.1:0".into(),
         _ => return None,
@@ -261,8 +271,8 @@ fn pin(cpu: usize) -> Result<(), Failure> {
         .map_err(|e| Failure::runtime(format!("cannot pin to CPU {cpu}: {e:#}")))
 }
 
-fn context(busy_poll: bool) -> Result<Context, Failure> {
-    crate::build_context(Context::builder().busy_poll(busy_poll))
+fn context(busy_poll: bool, tls: &crate::tls::TlsArgs) -> Result<Context, Failure> {
+    crate::build_context(tls.apply(Context::builder().busy_poll(busy_poll))?)
 }
 
 /// Runs `hf bench`. Builds its own single-threaded runtime after pinning, so that every
@@ -292,7 +302,8 @@ pub(crate) fn main(args: BenchArgs) -> Result<(), Failure> {
 
 async fn serve(args: &BenchArgs, url: &str) -> Result<(), Failure> {
     Endpoint::parse(url).map_err(Failure::usage)?;
-    let ctx = context(args.busy_poll)?;
+    args.tls.check(url, true)?;
+    let ctx = context(args.busy_poll, &args.tls)?;
     let mut listener = ctx
         .bind(url)
         .await
@@ -326,7 +337,11 @@ struct PeerProcess(Child);
 
 impl PeerProcess {
     /// Starts the peer and returns it with the URL it listens at.
-    fn spawn(url: &str, args: &BenchArgs) -> Result<(PeerProcess, String), Failure> {
+    fn spawn(
+        url: &str,
+        args: &BenchArgs,
+        tls: &crate::tls::TlsArgs,
+    ) -> Result<(PeerProcess, String), Failure> {
         let exe = std::env::current_exe()
             .map_err(|e| Failure::runtime(format!("cannot find the hf executable: {e:#}")))?;
         let mut cmd = Command::new(exe);
@@ -336,6 +351,9 @@ impl PeerProcess {
         }
         if let Some(cpu) = args.pin.get(1) {
             cmd.arg(format!("--pin={cpu}"));
+        }
+        if url.starts_with("tls://") {
+            cmd.args(tls.to_args());
         }
         let mut child = cmd
             .stdin(Stdio::null())
@@ -410,10 +428,11 @@ async fn start_peer(
     ctx: &Context,
     transport: &str,
     args: &BenchArgs,
+    tls: &crate::tls::TlsArgs,
 ) -> Result<(Peer, String), Failure> {
     let url = local_url(transport).ok_or_else(|| {
         Failure::usage(format!(
-            "bad --transport {transport:?}: expected inproc, tcp, shm or rdma"
+            "bad --transport {transport:?}: expected inproc, tcp, tls, shm or rdma"
         ))
     })?;
     if transport == "inproc" {
@@ -439,14 +458,14 @@ async fn start_peer(
         });
         return Ok((Peer::Thread(thread), at));
     }
-    let (p, at) = PeerProcess::spawn(&url, args)?;
+    let (p, at) = PeerProcess::spawn(&url, args, tls)?;
     Ok((Peer::Process(p), at))
 }
 
 /// Whether this build and host can run `transport` at all; `Err` says why not.
 async fn available(ctx: &Context, transport: &str) -> Result<(), String> {
     let Some(url) = local_url(transport) else {
-        return Err("unknown transport (expected inproc, tcp, shm or rdma)".into());
+        return Err("unknown transport (expected inproc, tcp, tls, shm or rdma)".into());
     };
     let url = match transport {
         "inproc" => return Ok(()),
@@ -490,7 +509,20 @@ fn memcpy_gbytes_per_s(size: usize) -> f64 {
 async fn run(args: &BenchArgs) -> Result<(), Failure> {
     let settings = settings(args)?;
     let points = points(args)?;
-    let ctx = context(args.busy_poll)?;
+    if let Some(url) = &args.connect {
+        args.tls.check(url, false)?;
+    }
+    // On loopback, tls:// runs on certificates made for the run unless some were given.
+    #[cfg(feature = "tls")]
+    let throwaway = match args.connect.is_none() && !args.tls.given() {
+        true => Some(crate::tls::Throwaway::new()?),
+        false => None,
+    };
+    #[cfg(feature = "tls")]
+    let tls = throwaway.as_ref().map_or(&args.tls, |t| &t.args).clone();
+    #[cfg(not(feature = "tls"))]
+    let tls = args.tls.clone();
+    let ctx = context(args.busy_poll, &tls)?;
 
     // What to run against: a remote peer, or a local one per transport.
     let mut targets: Vec<(String, Option<String>)> = Vec::new();
@@ -508,7 +540,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
                 .collect();
             if let Some(t) = list.iter().find(|t| local_url(t).is_none()) {
                 return Err(Failure::usage(format!(
-                    "bad --transport {t:?}: expected inproc, tcp, shm or rdma"
+                    "bad --transport {t:?}: expected inproc, tcp, tls, shm or rdma"
                 )));
             }
             list
@@ -564,7 +596,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
     for (transport, remote) in &targets {
         let (peer, url) = match remote {
             Some(url) => (None, url.clone()),
-            None => match start_peer(&ctx, transport, args).await {
+            None => match start_peer(&ctx, transport, args, &tls).await {
                 Ok((p, url)) => (Some(p), url),
                 Err(f) => {
                     bar.suspend(|| say!("{transport}: cannot start the peer: {}", f.message));
@@ -583,10 +615,10 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
                 continue;
             }
         };
-        if transport == "tcp"
+        if (transport == "tcp" || transport == "tls")
             && let Some(engine) = ctx.io_engine()
         {
-            engines.push(format!("tcp ran on {engine}"));
+            engines.push(format!("{transport} ran on {engine}"));
         }
         let mut broken = false;
         for &(pattern, size) in &points {

@@ -103,7 +103,7 @@ fn certificates(pem: &[u8], what: &str) -> Result<Vec<CertificateDer<'static>>> 
         .map_err(|e| config_error(format_args!("the {what} is not PEM certificates: {e}")))?;
     if certs.is_empty() {
         return Err(config_error(format_args!(
-            "the {what} holds no certificate (expected -----BEGIN CERTIFICATE-----)"
+            "the {what} holds no PEM certificate (expected -----BEGIN CERTIFICATE-----)"
         )));
     }
     Ok(certs)
@@ -128,9 +128,34 @@ impl TlsConfig {
         key: Option<&Path>,
         ca: Option<&Path>,
     ) -> Result<TlsConfig> {
-        let cert = cert.map(|p| read_file(p, "certificate")).transpose()?;
-        let key = key.map(|p| read_file(p, "private key")).transpose()?;
-        let ca = ca.map(|p| read_file(p, "CA certificate")).transpose()?;
+        let named = |p: &Path, what: &str| format!("{what} file {}", p.display());
+        let cert = match cert {
+            Some(p) => {
+                let pem = read_file(p, "certificate")?;
+                certificates(&pem, &named(p, "certificate"))?;
+                Some(pem)
+            }
+            None => None,
+        };
+        let key = match key {
+            Some(p) => {
+                let pem = read_file(p, "private key")?;
+                PrivateKeyDer::from_pem_slice(&pem).map_err(|e| {
+                    config_error(format_args!("the {}: {e}", named(p, "private key")))
+                })?;
+                Some(pem)
+            }
+            None => None,
+        };
+        let ca = match ca {
+            Some(p) => {
+                let pem = read_file(p, "CA certificate")?;
+                certificates(&pem, &named(p, "CA certificate"))?;
+                Some(pem)
+            }
+            None => None,
+        };
+        // Each file parsed on its own above, so a bad one is named by its path.
         TlsConfig::from_pem(cert.as_deref(), key.as_deref(), ca.as_deref())
     }
 
@@ -314,9 +339,14 @@ fn refused(e: &rustls::Error, peer: &str) -> Error {
             ErrorKind::Auth,
             format!("the peer's certificate was refused: {e}"),
         ),
+        E::AlertReceived(A::CertificateRequired) => (
+            ErrorKind::Auth,
+            "the peer requires a client certificate, and we have none to present (TLS alert \
+             CertificateRequired)"
+                .to_owned(),
+        ),
         E::AlertReceived(
-            a @ (A::CertificateRequired
-            | A::UnknownCA
+            a @ (A::UnknownCA
             | A::BadCertificate
             | A::CertificateExpired
             | A::CertificateUnknown
