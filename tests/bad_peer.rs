@@ -362,6 +362,7 @@ for_both_engines!(
     oversized_body,
     body_the_host_cannot_give,
     connection_limits_hold_a_flood_back,
+    handshakes_in_progress_are_bounded,
     truncated_frame,
     stall_mid_frame,
     stall_mid_large_body,
@@ -685,6 +686,50 @@ async fn connection_limits_hold_a_flood_back(engine: IoEngine) {
     // The fifth, and the silent one that hung up in its handshake.
     wait_rejected(&listener, 2).await;
     assert_eq!(listener.rejected(), 2);
+}
+
+/// `max_handshakes`: connections stuck in their handshake hold the listener back at that
+/// many, while established channels do not count against it.
+async fn handshakes_in_progress_are_bounded(engine: IoEngine) {
+    let b = builder(engine)
+        .handshake_timeout(GUARD) // silent peers keep their places for the whole test
+        .max_handshakes(2);
+    let Some((_ctx, mut listener, url)) = listen_with(engine, b).await else {
+        return;
+    };
+    let limits = Limits::default();
+    // Three channels through their handshake, one after the other: none stays counted.
+    let mut channels = Vec::new();
+    for _ in 0..3 {
+        let mut good = connect_from("127.0.0.2", &url).await;
+        good.write_all(&good_handshake()).await.unwrap();
+        strip_our_handshake(&read_exact(&mut good, OUR_HANDSHAKE_LEN).await, &limits);
+        channels.push((
+            good,
+            guard("accept", listener.accept()).await.expect("accept"),
+        ));
+    }
+    // Two that say nothing take both handshake places.
+    let mut silent = Vec::new();
+    for _ in 0..2 {
+        let mut s = connect_from("127.0.0.1", &url).await;
+        strip_our_handshake(&read_exact(&mut s, OUR_HANDSHAKE_LEN).await, &limits);
+        silent.push(s);
+    }
+    // A third waits in the backlog, unanswered, until one of them ends.
+    let mut third = connect_from("127.0.0.3", &url).await;
+    third.write_all(&good_handshake()).await.unwrap();
+    let mut byte = [0u8; 1];
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), third.read(&mut byte))
+            .await
+            .is_err(),
+        "a listener with both handshake places taken answered"
+    );
+    drop(silent.pop());
+    strip_our_handshake(&read_exact(&mut third, OUR_HANDSHAKE_LEN).await, &limits);
+    let _ch = guard("accept", listener.accept()).await.expect("accept");
+    wait_rejected(&listener, 1).await; // the silent one that hung up
 }
 
 async fn truncated_frame(engine: IoEngine) {

@@ -63,6 +63,25 @@ pub(crate) struct ListenArgs {
     ))]
     max_body: String,
 
+    /// tcp://, tls://: the most connections held at once, handshakes included; past it new
+    /// ones wait in the kernel's backlog
+    #[arg(long, value_name = "N", default_value_t = 4096)]
+    max_connections: usize,
+
+    /// tcp://, tls://: the most connections one peer address may hold; more are closed
+    /// unread and counted
+    #[arg(long, value_name = "N", default_value_t = 512)]
+    max_per_peer: usize,
+
+    /// tcp://, tls://: the most handshakes running at once (each has 5 s)
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    max_handshakes: usize,
+
+    /// Drop a connection whose peer, having promised no heartbeats, sends nothing for SECS;
+    /// 0: never
+    #[arg(long, value_name = "SECS", default_value_t = 120.0)]
+    idle_timeout: f64,
+
     #[command(flatten)]
     tls: crate::tls::TlsArgs,
 }
@@ -73,7 +92,20 @@ pub(crate) async fn run(args: ListenArgs) -> Result<(), Failure> {
     args.tls.check(&args.url, true)?;
     let max_body =
         parse_size(&args.max_body).map_err(|e| Failure::usage(format!("bad --max-body {e:#}")))?;
-    let ctx = build_context(args.tls.apply(Context::builder().max_body(max_body))?)?;
+    if !(args.idle_timeout >= 0.0 && args.idle_timeout <= 1e9) {
+        return Err(Failure::usage(format!(
+            "bad --idle-timeout {}: expected seconds, 0 for never",
+            args.idle_timeout
+        )));
+    }
+    let idle = (args.idle_timeout > 0.0).then(|| Duration::from_secs_f64(args.idle_timeout));
+    let builder = Context::builder()
+        .max_body(max_body)
+        .max_connections(args.max_connections)
+        .max_connections_per_peer(args.max_per_peer)
+        .max_handshakes(args.max_handshakes)
+        .idle_timeout(idle);
+    let ctx = build_context(args.tls.apply(builder)?)?;
     let mut listener = ctx
         .bind(&args.url)
         .await

@@ -612,6 +612,43 @@ fn listener_limits_are_respected() {
     check_line(&out.stdout[0], "demo.fits", &[], &pattern(1024));
 }
 
+/// `--max-per-peer`: a connection past the address's share is refused, and the listener
+/// serves again once a place frees; a limit of 0 is a usage error.
+#[test]
+fn admission_flags_are_respected() {
+    let l = listen(&["--count", "1", "--max-per-peer", "1"], &[]);
+    let held = TcpStream::connect(l.url.trim_start_matches("tcp://")).unwrap();
+    // The held connection is in its handshake; wait for the listener to have taken it.
+    let mut hs = vec![0u8; HANDSHAKE_LEN];
+    (&held).read_exact(&mut hs).unwrap();
+    let out = run(&["send", &l.url, "-t", "demo.refused"]);
+    assert_eq!(out.status.code(), Some(1), "{:#?}", out.stderr);
+    drop(held);
+    // The listener may see the hang-up after the next connect: retry until served.
+    let deadline = Instant::now() + GUARD;
+    loop {
+        let out = run(&["send", &l.url, "-t", "demo.admitted"]);
+        if out.status.success() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never admitted: {:#?}",
+            out.stderr
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    let out = l.finish();
+    check_line(&out.stdout[0], "demo.admitted", &[], &pattern(0));
+    for args in [
+        &["listen", "tcp://127.0.0.1:0", "--max-connections", "0"][..],
+        &["listen", "tcp://127.0.0.1:0", "--idle-timeout", "-1"],
+    ] {
+        let out = run(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {:#?}", out.stderr);
+    }
+}
+
 /// The single `hf: error: …` line of a failed run (log lines aside).
 fn one_error_line(out: &Finished) -> String {
     let lines = out.hf_stderr();

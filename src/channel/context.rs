@@ -187,7 +187,20 @@ impl ContextBuilder {
         self
     }
 
-    /// Deadline for the peer's handshake after the connection is up. Default 5 s.
+    /// The most handshakes (TLS and hyperframes) one `tcp://` or `tls://` listener runs at
+    /// once: while that many connections have not finished theirs, it accepts nothing more
+    /// (new connections wait in the kernel's backlog), so a flood of connections that open
+    /// and say nothing, or start a TLS handshake and stall, holds at most this many places,
+    /// each for at most [`handshake_timeout`](Self::handshake_timeout), and cannot make the
+    /// listener run thousands of key exchanges at once. Connections that finished their
+    /// handshake do not count. Default 1024.
+    pub fn max_handshakes(mut self, n: usize) -> Self {
+        self.cfg.max_handshakes = n;
+        self
+    }
+
+    /// Deadline for the peer's handshake after the connection is up (on `tls://`, the TLS
+    /// handshake and then ours, each within it). Default 5 s.
     pub fn handshake_timeout(mut self, d: Duration) -> Self {
         self.cfg.handshake_timeout = d;
         self
@@ -371,8 +384,11 @@ impl ContextBuilder {
         if c.min_frame_rate == 0 {
             return bad("min_frame_rate must be at least 1 byte per second".into());
         }
-        if c.max_connections == 0 || c.max_connections_per_peer == 0 {
-            return bad("max_connections and max_connections_per_peer must be at least 1".into());
+        if c.max_connections == 0 || c.max_connections_per_peer == 0 || c.max_handshakes == 0 {
+            return bad(
+                "max_connections, max_connections_per_peer and max_handshakes must be at least 1"
+                    .into(),
+            );
         }
         if c.send_queue > 1 << 20 || c.recv_queue > 1 << 20 {
             return bad("queues hold at most 1 Mi messages".into());

@@ -1,7 +1,8 @@
-//! How many connections a listener holds: in all, and per peer address.
+//! How many connections a listener holds: in all, per peer address, and in their handshake.
 //!
-//! The accept loop waits for a free place before it accepts (so a full listener leaves new
-//! connections in the kernel's backlog, where they cost us nothing), and refuses at once a
+//! The accept loop waits for a free place (and, with `max_handshakes` handshakes running, for
+//! one of them to end) before it accepts, so a full listener leaves new connections in the
+//! kernel's backlog, where they cost us nothing; and it refuses at once a
 //! connection from an address that already holds its share, so that one host cannot take
 //! every place. A place is a [`Ticket`]: taken before the handshake, carried by the channel
 //! (its `ChannelInfo`), given back when the handshake fails or the channel's halves are gone.
@@ -16,6 +17,7 @@ use tokio::sync::Notify;
 pub(super) struct Admission {
     max: usize,
     max_per_peer: usize,
+    max_handshakes: usize,
     held: Mutex<Held>,
     freed: Notify,
 }
@@ -23,6 +25,7 @@ pub(super) struct Admission {
 #[derive(Default)]
 struct Held {
     total: usize,
+    handshaking: usize,
     per_peer: HashMap<IpAddr, usize>,
 }
 
@@ -30,13 +33,16 @@ struct Held {
 pub(super) struct Ticket {
     admission: Arc<Admission>,
     peer: IpAddr,
+    /// Its connection has not finished its handshake.
+    handshaking: bool,
 }
 
 impl Admission {
-    pub(super) fn new(max: usize, max_per_peer: usize) -> Arc<Admission> {
+    pub(super) fn new(max: usize, max_per_peer: usize, max_handshakes: usize) -> Arc<Admission> {
         Arc::new(Admission {
             max: max.max(1),
             max_per_peer: max_per_peer.max(1),
+            max_handshakes: max_handshakes.max(1),
             held: Mutex::new(Held::default()),
             freed: Notify::new(),
         })
@@ -47,11 +53,16 @@ impl Admission {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Waits until fewer than `max` connections are held.
+    /// Waits until fewer than `max` connections are held, and fewer than `max_handshakes`
+    /// of them are in their handshake.
     pub(super) async fn room(&self) {
         loop {
             let freed = self.freed.notified();
-            if self.held().total < self.max {
+            let room = {
+                let held = self.held();
+                held.total < self.max && held.handshaking < self.max_handshakes
+            };
+            if room {
                 return;
             }
             freed.await;
@@ -77,9 +88,11 @@ impl Admission {
         }
         *n += 1;
         held.total += 1;
+        held.handshaking += 1;
         Ok(Ticket {
             admission: self.clone(),
             peer,
+            handshaking: true,
         })
     }
 
@@ -89,10 +102,23 @@ impl Admission {
     }
 }
 
+impl Ticket {
+    /// The connection finished its handshake: it no longer counts against `max_handshakes`.
+    pub(super) fn handshake_done(&mut self) {
+        if std::mem::take(&mut self.handshaking) {
+            self.admission.held().handshaking -= 1;
+            self.admission.freed.notify_waiters();
+        }
+    }
+}
+
 impl Drop for Ticket {
     fn drop(&mut self) {
         let mut held = self.admission.held();
         held.total -= 1;
+        if self.handshaking {
+            held.handshaking -= 1;
+        }
         if let Some(n) = held.per_peer.get_mut(&self.peer) {
             *n -= 1;
             if *n == 0 {
@@ -110,7 +136,7 @@ mod tests {
 
     #[tokio::test]
     async fn places_in_all_and_per_address_come_back_on_drop() {
-        let a = Admission::new(3, 2);
+        let a = Admission::new(3, 2, 10);
         let (x, y): (IpAddr, IpAddr) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
         let t1 = a.admit(x).unwrap();
         let t2 = a.admit(x).unwrap();
@@ -134,5 +160,29 @@ mod tests {
         let _t4 = a.admit(x).unwrap();
         drop((t2, t3));
         assert_eq!(a.total(), 1);
+    }
+
+    #[tokio::test]
+    async fn handshakes_in_progress_are_bounded_apart_from_connections() {
+        let a = Admission::new(10, 10, 2);
+        let x: IpAddr = "10.0.0.1".parse().unwrap();
+        let mut t1 = a.admit(x).unwrap();
+        let _t2 = a.admit(x).unwrap();
+        // Two handshakes running: no room, though places are free.
+        let waiter = {
+            let a = a.clone();
+            tokio::spawn(async move { a.room().await })
+        };
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        // One finishes: room again; its place stays taken.
+        t1.handshake_done();
+        waiter.await.unwrap();
+        t1.handshake_done(); // twice is once
+        let _t3 = a.admit(x).unwrap();
+        assert_eq!(a.total(), 3);
+        drop(t1);
+        assert_eq!(a.total(), 2);
+        assert_eq!(a.held().handshaking, 2);
     }
 }

@@ -108,7 +108,11 @@ pub(super) async fn accept_loop<F, Fut>(
     F: FnMut(tokio::net::TcpStream, SocketAddr, Ticket) -> Fut,
     Fut: Future<Output = bool>,
 {
-    let admission = Admission::new(cfg.max_connections, cfg.max_connections_per_peer);
+    let admission = Admission::new(
+        cfg.max_connections,
+        cfg.max_connections_per_peer,
+        cfg.max_handshakes,
+    );
     let mut warned: Option<Instant> = None;
     let mut refused_since_warning = 0u64;
     loop {
@@ -156,8 +160,10 @@ pub(super) async fn accept_loop<F, Fut>(
     }
 }
 
-/// `parts` carrying `ticket`: the place is given back when the channel's halves are gone.
-pub(super) fn with_ticket(mut parts: Parts, ticket: Ticket) -> Parts {
+/// `parts` carrying `ticket`, whose handshake is done: the place is given back when the
+/// channel's halves are gone.
+pub(super) fn with_ticket(mut parts: Parts, mut ticket: Ticket) -> Parts {
+    ticket.handshake_done();
     parts.keep_alive(Arc::new(ticket));
     parts
 }
