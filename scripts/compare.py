@@ -8,13 +8,15 @@ Builds what it runs (hf; the peer programs in scripts/peers), then measures, on 
 over loopback, each tool in its own two processes (inproc: two threads):
 
   hyperframes  hf bench: tcp (the default engine, with --busy-poll, and on I/O threads),
-               shm (copying, --zero-copy, --busy-poll), inproc
+               tls (against tcp), shm (copying, --zero-copy, --busy-poll), inproc
   UCX          ucx_perftest (Debian ucx-utils): tag_lat / tag_bw over posix shared memory
                (UCX_TLS=posix,self) and over tcp (UCX_TLS=tcp)
   ZeroMQ       scripts/peers/zmq (libzmq3-dev): REQ/REP latency, PUSH/PULL rate and bandwidth
   tokio        scripts/peers/tokio_tcp: a plain tokio TcpStream with hyperframes' framing
   iceoryx2     scripts/peers/iceoryx2: publish/subscribe over shared memory, zero-copy
   iperf3       one TCP stream, -l 1M
+  openssl      `openssl speed -evp aes-128-gcm -bytes 16384` on one CPU: the cipher's own
+               limit, against tls bandwidth (tls:// seals 16 KiB records with AES-128-GCM)
   c2c          scripts/peers/c2c: a cache line handed between the two CPUs and back (the floor
                under every shared-memory latency), run with each set of figures
 
@@ -77,7 +79,7 @@ def build():
             have.add(name)
         else:
             missing[name] = (r.stderr.strip().splitlines() or ["build failed"])[-1]
-    for tool, exe in [("ucx", "ucx_perftest"), ("iperf3", "iperf3")]:
+    for tool, exe in [("ucx", "ucx_perftest"), ("iperf3", "iperf3"), ("openssl", "openssl")]:
         if subprocess.run(["sh", "-c", f"command -v {exe}"], capture_output=True).returncode == 0:
             have.add(tool)
         else:
@@ -233,6 +235,19 @@ def iperf3(duration, pinned):
     return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 8 / 1e9
 
 
+def openssl_gcm(pinned):
+    """AES-128-GCM on 16 KiB blocks, one CPU (CPU 0 when pinned), in GB/s."""
+    cmd = ["openssl", "speed", "-evp", "aes-128-gcm", "-bytes", "16384", "-seconds", "2"]
+    if pinned:
+        cmd = ["taskset", "-c", "0", *cmd]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60).stdout
+    # The last line: `AES-128-GCM    4049573.18k` (thousands of bytes per second).
+    m = re.search(r"^AES-128-GCM\s+([0-9.]+)k\s*$", out, re.M)
+    if not m:
+        raise ValueError(f"no AES-128-GCM figure in openssl's output: {out[-200:]!r}")
+    return float(m.group(1)) * 1e3 / 1e9
+
+
 def c2c(pinned):
     cmd = [str(C2C), *(["--pin", "0,1"] if pinned else [])]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60).stdout
@@ -256,7 +271,7 @@ def one_round(have, d, pinned):
             fig[name] = v
 
     lat_rate_64 = ["--pattern", "lat,rate", "--size", "64"]
-    run("hf", lambda: hf_figures("hf", ["--transport", "tcp,shm"], d, pinned))
+    run("hf", lambda: hf_figures("hf", ["--transport", "tcp,tls,shm"], d, pinned))
     run("hf", lambda: hf_figures("hf", ["--transport", "inproc", *lat_rate_64], d, pinned))
     run("hf", lambda: hf_figures("hf-busy", ["--transport", "tcp,shm,inproc", "--pattern",
                                               "lat", "--busy-poll"], d, pinned))
@@ -282,6 +297,8 @@ def one_round(have, d, pinned):
             run(f"ucx-{short}/bw/{MIB4}", lambda: ucx(tls, "tag_bw", MIB4, bw_n, pinned))
     if "iperf3" in have:
         run(f"iperf3/bw/{MIB4}", lambda: iperf3(d, pinned))
+    if "openssl" in have:
+        run("openssl/aes-128-gcm", lambda: openssl_gcm(pinned))
     if "c2c" in have:
         run("c2c/ns", lambda: c2c(pinned))
     return fig
@@ -309,6 +326,11 @@ ROWS = [
     ("tcp 4 MiB bandwidth (GB/s)", f"hf/tcp/bw/{MIB4}", f"tokio/bw/{MIB4}", ""),
     ("tcp 4 MiB bandwidth (GB/s)", f"hf/tcp/bw/{MIB4}", f"ucx-tcp/bw/{MIB4}", ""),
     ("tcp 4 MiB bandwidth (GB/s)", f"hf/tcp/bw/{MIB4}", f"zmq/bw/{MIB4}", ""),
+    ("tls 64 B latency p50 (µs)", "hf/tls/lat/64", "hf/tcp/lat/64", ""),
+    ("tls 64 B rate (msgs/s)", "hf/tls/rate/64", "hf/tcp/rate/64", ""),
+    ("tls 32 KiB rate (msgs/s)", "hf/tls/rate/32768", "hf/tcp/rate/32768", ""),
+    ("tls 4 MiB bandwidth (GB/s)", f"hf/tls/bw/{MIB4}", f"hf/tcp/bw/{MIB4}", ""),
+    ("tls 4 MiB bandwidth (GB/s)", f"hf/tls/bw/{MIB4}", "openssl/aes-128-gcm", ""),
     ("shm 64 B latency p50 (µs)", "hf/shm/lat/64", "ucx-posix/lat/64", ""),
     ("shm 64 B latency p50 (µs)", "hf/shm/lat/64", "iox2/lat/64", ""),
     ("shm 64 B latency p50, busy-poll (µs)", "hf-busy/shm/lat/64", "ucx-posix/lat/64",
@@ -326,7 +348,8 @@ ROWS = [
 
 WHO = {"tokio": "tokio TcpStream", "zmq": "ZeroMQ", "ucx-tcp": "UCX tcp",
        "ucx-posix": "UCX posix", "iox2": "iceoryx2", "iperf3": "iperf3 -l 1M",
-       "memcpy": "memcpy, 1 process", "hf": "hf"}
+       "memcpy": "memcpy, 1 process", "hf": "hf",
+       "openssl": "openssl AES-128-GCM, 1 CPU"}
 
 
 def who(key):
@@ -412,7 +435,7 @@ def main():
 
     if args.no_build:
         have = {n for n, p in [("tokio", TOKIO), ("zeromq", ZMQ), ("iceoryx2", IOX2),
-                               ("c2c", C2C)] if p.exists()} | {"ucx", "iperf3"}
+                               ("c2c", C2C)] if p.exists()} | {"ucx", "iperf3", "openssl"}
         missing = {}
     else:
         have, missing = build()

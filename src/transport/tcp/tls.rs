@@ -128,34 +128,23 @@ impl TlsConfig {
         key: Option<&Path>,
         ca: Option<&Path>,
     ) -> Result<TlsConfig> {
-        let named = |p: &Path, what: &str| format!("{what} file {}", p.display());
-        let cert = match cert {
-            Some(p) => {
-                let pem = read_file(p, "certificate")?;
-                certificates(&pem, &named(p, "certificate"))?;
-                Some(pem)
-            }
-            None => None,
+        // Each file is parsed on its own first, so that a bad one is named by its path.
+        let certs = |p: &Path, what: &str| -> Result<Vec<u8>> {
+            let pem = read_file(p, what)?;
+            certificates(&pem, &format!("{what} file {}", p.display()))?;
+            Ok(pem)
         };
-        let key = match key {
-            Some(p) => {
+        let cert = cert.map(|p| certs(p, "certificate")).transpose()?;
+        let ca = ca.map(|p| certs(p, "CA certificate")).transpose()?;
+        let key = key
+            .map(|p| {
                 let pem = read_file(p, "private key")?;
                 PrivateKeyDer::from_pem_slice(&pem).map_err(|e| {
-                    config_error(format_args!("the {}: {e}", named(p, "private key")))
+                    config_error(format_args!("the private key file {}: {e}", p.display()))
                 })?;
-                Some(pem)
-            }
-            None => None,
-        };
-        let ca = match ca {
-            Some(p) => {
-                let pem = read_file(p, "CA certificate")?;
-                certificates(&pem, &named(p, "CA certificate"))?;
-                Some(pem)
-            }
-            None => None,
-        };
-        // Each file parsed on its own above, so a bad one is named by its path.
+                Ok::<_, Error>(pem)
+            })
+            .transpose()?;
         TlsConfig::from_pem(cert.as_deref(), key.as_deref(), ca.as_deref())
     }
 
