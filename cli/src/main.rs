@@ -165,6 +165,9 @@ fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colours only for a terminal: a pipe or a log file gets plain lines (and the
+        // workspace's unified features may turn tracing-subscriber's `ansi` on).
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }
 
