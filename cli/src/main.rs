@@ -58,7 +58,7 @@ hf send refuse it, as no other process could reach it.
 
 Security: tcp:// is neither authenticated nor encrypted; bind to 127.0.0.1 or a trusted
 network, or use tls:// with certificates (mutual with --ca on the listener). shm:// admits
-only this user's processes.
+only this user's processes. rdma:// is as open as tcp://: trusted fabrics only.
 
 Exit status: 0 success; 1 run-time failure (connection refused or lost, unreadable file,
 address in use); 2 bad command line (unknown flag, bad URL, type, metadata or size).
