@@ -12,7 +12,7 @@
 //! | `tls://host:port` | `tcp://` with TLS 1.3 and certificates, mutual if asked (feature `tls`; see [`TlsConfig`]) |
 //! | `inproc://name` | inside one process; bodies move as `Bytes` |
 //! | `shm://name` | two processes on one host, through shared memory |
-//! | `rdma://host:port` | RDMA (InfiniBand, RoCE), feature `rdma` (a GPL-3.0 build: it links async-rdma) |
+//! | `rdma://host:port` | RDMA (InfiniBand, RoCE), feature `rdma` (sideway, rdma-core loaded at run time; `rdma-async-rdma` adds the async-rdma backend, a GPL-3.0 build) |
 //! | `rdma+sim://name` | the RDMA protocol over simulated verbs in one process (feature `rdma`; see [`rdma`]) |
 //!
 //! ```no_run
@@ -139,6 +139,11 @@ pub use transport::identity::PeerIdentity;
 #[cfg(feature = "tls")]
 pub use transport::tcp::tls::TlsConfig;
 pub use url::Endpoint;
+
+/// The README's Rust examples, compiled as doctests (`cargo test --doc --all-features`).
+#[cfg(all(doctest, feature = "tls", feature = "tower"))]
+#[doc = include_str!("../README.md")]
+struct ReadmeExamples;
 
 /// Not part of the API: internals that `benches/` measure on their own. The `shm://`
 /// descriptor ring between two threads of one process, one descriptor per push, published at

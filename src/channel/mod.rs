@@ -40,7 +40,7 @@ pub struct ChannelInfo {
 }
 
 impl ChannelInfo {
-    /// The transport: `"tcp"`, `"shm"`, `"inproc"`, `"rdma"` (also for `rdma+sim://`).
+    /// The transport: `"tcp"`, `"tls"`, `"shm"`, `"inproc"`, `"rdma"` (also for `rdma+sim://`).
     pub fn transport(&self) -> &'static str {
         self.transport
     }
