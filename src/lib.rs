@@ -9,11 +9,11 @@
 //! | scheme | transport |
 //! |---|---|
 //! | `tcp://host:port` | TCP in the tasks that use it inside a tokio runtime; elsewhere on io_uring I/O threads, epoll where io_uring is refused |
-//! | `tls://host:port` | `tcp://` with TLS 1.3 and certificates, mutual if asked (feature `tls`; see [`TlsConfig`]) |
+//! | `tls://host:port` | `tcp://` with TLS 1.3 and certificates, mutual if asked (feature `tls`; see `TlsConfig`) |
 //! | `inproc://name` | inside one process; bodies move as `Bytes` |
 //! | `shm://name` | two processes on one host, through shared memory |
 //! | `rdma://host:port` | RDMA (InfiniBand, RoCE), feature `rdma` (sideway, rdma-core loaded at run time; `rdma-async-rdma` adds the async-rdma backend, a GPL-3.0 build) |
-//! | `rdma+sim://name` | the RDMA protocol over simulated verbs in one process (feature `rdma`; see [`rdma`]) |
+//! | `rdma+sim://name` | the RDMA protocol over simulated verbs in one process (feature `rdma`; see the `rdma` module) |
 //!
 //! ```no_run
 //! use hyperframes::{Context, Message};

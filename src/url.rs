@@ -20,7 +20,7 @@ pub enum Endpoint {
         port: u16,
     },
     /// `tls://host:port` (feature `tls`): `tcp://` with TLS 1.3, both ends authenticated by
-    /// certificates as the context's [`TlsConfig`](crate::TlsConfig) says. A client checks
+    /// certificates as the context's `TlsConfig` says. A client checks
     /// that the server's certificate names `host` (or the name the configuration gives).
     Tls {
         /// Address or name.

@@ -8,7 +8,7 @@ use std::fmt;
 ///
 /// It is set on a channel only when the peer presented a certificate that this side's
 /// verifier accepted during the TLS handshake: a client always sees the server's; a server
-/// sees the client's when its [`TlsConfig`](crate::TlsConfig) has a CA (mutual TLS). The names
+/// sees the client's when its `TlsConfig` has a CA (mutual TLS). The names
 /// are the peer's own text: match them exactly, and print them escaped
 /// ([`escape_untrusted`](crate::escape_untrusted); `Display` does).
 #[derive(Clone, PartialEq, Eq)]
