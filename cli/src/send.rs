@@ -158,12 +158,14 @@ pub(crate) async fn run(args: SendArgs) -> Result<(), Failure> {
     let ctx = build_context(args.tls.apply(Context::builder())?)?;
     let started = Instant::now();
     let ch = ctx.connect(&args.url).await.map_err(|e| {
-        if e.kind() == ErrorKind::ConnectionRefused {
+        if e.kind() == ErrorKind::ConnectionRefused && !args.url.starts_with("shm:") {
             Failure::runtime(format!(
                 "cannot connect to {}: connection refused (is anything listening there?)",
                 args.url
             ))
         } else {
+            // shm: the library names the socket path it tried (it depends on
+            // XDG_RUNTIME_DIR), which is what to check.
             Failure::runtime(format!("cannot connect to {}: {e:#}", args.url))
         }
     })?;

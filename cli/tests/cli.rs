@@ -665,6 +665,12 @@ fn connection_refused() {
     let err = one_error_line(&out);
     assert!(err.contains("connection refused"), "{err}");
     assert!(err.contains("tcp://127.0.0.1:1"), "{err}");
+    // shm: the socket path it tried (it depends on XDG_RUNTIME_DIR), which is what to check.
+    let out = run(&["send", "shm://hf-test-nobody-listens", "--type", "a.b"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = one_error_line(&out);
+    assert!(err.contains("connection refused"), "{err}");
+    assert!(err.contains("hf-test-nobody-listens.sock"), "{err}");
 }
 
 #[test]
