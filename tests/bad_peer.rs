@@ -643,6 +643,21 @@ async fn connect_from(from: &str, url: &str) -> TcpStream {
 /// Silent connections from one address take at most its share of the listener's places; one
 /// more from it is closed at once and counted; another address still gets in; a listener
 /// holding its maximum accepts nothing more until a place comes back.
+/// A connection from `from` that sends a good handshake and hears nothing for 300 ms (it
+/// waits in the listener's backlog); `why` is the failure message if it is answered.
+async fn unanswered(from: &str, url: &str, why: &str) -> TcpStream {
+    let mut s = connect_from(from, url).await;
+    s.write_all(&good_handshake()).await.unwrap();
+    let mut byte = [0u8; 1];
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), s.read(&mut byte))
+            .await
+            .is_err(),
+        "{why}"
+    );
+    s
+}
+
 async fn connection_limits_hold_a_flood_back(engine: IoEngine) {
     let b = builder(engine)
         .handshake_timeout(GUARD) // silent peers keep their places for the whole test
@@ -671,15 +686,7 @@ async fn connection_limits_hold_a_flood_back(engine: IoEngine) {
     strip_our_handshake(&read_exact(&mut sixth, OUR_HANDSHAKE_LEN).await, &limits);
 
     // Full: a seventh connection waits in the backlog, unanswered, until a place frees.
-    let mut seventh = connect_from("127.0.0.3", &url).await;
-    seventh.write_all(&good_handshake()).await.unwrap();
-    let mut byte = [0u8; 1];
-    assert!(
-        tokio::time::timeout(Duration::from_millis(300), seventh.read(&mut byte))
-            .await
-            .is_err(),
-        "a full listener answered"
-    );
+    let mut seventh = unanswered("127.0.0.3", &url, "a full listener answered").await;
     drop(silent.pop());
     strip_our_handshake(&read_exact(&mut seventh, OUR_HANDSHAKE_LEN).await, &limits);
     let _ch7 = guard("accept", listener.accept()).await.expect("accept");
@@ -717,15 +724,12 @@ async fn handshakes_in_progress_are_bounded(engine: IoEngine) {
         silent.push(s);
     }
     // A third waits in the backlog, unanswered, until one of them ends.
-    let mut third = connect_from("127.0.0.3", &url).await;
-    third.write_all(&good_handshake()).await.unwrap();
-    let mut byte = [0u8; 1];
-    assert!(
-        tokio::time::timeout(Duration::from_millis(300), third.read(&mut byte))
-            .await
-            .is_err(),
-        "a listener with both handshake places taken answered"
-    );
+    let mut third = unanswered(
+        "127.0.0.3",
+        &url,
+        "a listener with both handshake places taken answered",
+    )
+    .await;
     drop(silent.pop());
     strip_our_handshake(&read_exact(&mut third, OUR_HANDSHAKE_LEN).await, &limits);
     let _ch = guard("accept", listener.accept()).await.expect("accept");

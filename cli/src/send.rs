@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::Args;
-use hyperframes::{Body, Context, ErrorKind, Header, Message, Meta, MsgType};
+use hyperframes::{Body, Context, Endpoint, ErrorKind, Header, Message, Meta, MsgType};
 
 use crate::units::{SIZE_HELP, human_bytes, parse_size};
 use crate::{Failure, build_context};
@@ -158,7 +158,8 @@ pub(crate) async fn run(args: SendArgs) -> Result<(), Failure> {
     let ctx = build_context(args.tls.apply(Context::builder())?)?;
     let started = Instant::now();
     let ch = ctx.connect(&args.url).await.map_err(|e| {
-        if e.kind() == ErrorKind::ConnectionRefused && !args.url.starts_with("shm:") {
+        let shm = matches!(Endpoint::parse(&args.url), Ok(Endpoint::Shm { .. }));
+        if e.kind() == ErrorKind::ConnectionRefused && !shm {
             Failure::runtime(format!(
                 "cannot connect to {}: connection refused (is anything listening there?)",
                 args.url

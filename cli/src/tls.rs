@@ -5,9 +5,14 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::Args;
-use hyperframes::ContextBuilder;
+use hyperframes::{ContextBuilder, Endpoint};
 
 use crate::Failure;
+
+/// Whether `url` is a `tls://` URL.
+pub(crate) fn is_tls(url: &str) -> bool {
+    matches!(Endpoint::parse(url), Ok(Endpoint::Tls { .. }))
+}
 
 /// Certificates and trust for `tls://` URLs.
 #[derive(Clone, Debug, Default, Args)]
@@ -42,10 +47,7 @@ impl TlsArgs {
     /// flags it needs: a listener proves itself with --cert and --key; a client checks the
     /// server against --ca.
     pub(crate) fn check(&self, url: &str, listening: bool) -> Result<(), Failure> {
-        let tls = url
-            .get(..6)
-            .is_some_and(|s| s.eq_ignore_ascii_case("tls://"));
-        if !tls {
+        if !is_tls(url) {
             if self.given() {
                 return Err(Failure::usage(
                     "--cert, --key, --ca and --server-name are for tls:// URLs",

@@ -352,7 +352,7 @@ impl PeerProcess {
         if let Some(cpu) = args.pin.get(1) {
             cmd.arg(format!("--pin={cpu}"));
         }
-        if url.starts_with("tls://") {
+        if crate::tls::is_tls(url) {
             cmd.args(tls.to_args());
         }
         let mut child = cmd
