@@ -1,6 +1,8 @@
 //! hyperframes over `tcp://127.0.0.1` against a plain tokio `TcpStream` doing the same
 //! length-prefixed framing, two processes, in one run: 64 B message rate, 4 MiB bandwidth and
-//! 64 B round-trip latency. Run with `cargo bench --bench tcp_vs_tokio`.
+//! 64 B round-trip latency; and the inline engine over a session (`connect_with`: numbered,
+//! acknowledged messages) to show what acknowledged delivery costs. Run with
+//! `cargo bench --bench tcp_vs_tokio`.
 //!
 //! The peer is this binary re-executed (`HF_BENCH_PEER`). Rates are measured at the
 //! receiver: the sender streams N messages and an end marker, and the clock stops when the
@@ -36,7 +38,8 @@ fn peer_main(spec: &str) {
         .unwrap();
     rt.block_on(async {
         match kind {
-            "hf" => hf_peer(mode, url).await,
+            "hf" => hf_peer(mode, url, false).await,
+            "hf-session" => hf_peer(mode, url, true).await,
             _ => tokio_peer(mode, url).await,
         }
     });
@@ -44,14 +47,20 @@ fn peer_main(spec: &str) {
 
 /// `sink`: count messages, answer each `bench.end` with a `bench.ack` carrying the count.
 /// `echo`: send every message back.
-async fn hf_peer(mode: &str, url: &str) {
+/// `session`: over a session (`connect_with`), acknowledged in batches.
+async fn hf_peer(mode: &str, url: &str, session: bool) {
     let engine = match std::env::var("HYPERFRAMES_IO").as_deref() {
         Ok("epoll") => IoEngine::Epoll,
         Ok("inline") => IoEngine::Inline,
         _ => IoEngine::Uring,
     };
     let ctx = Context::builder().io_engine(engine).build().unwrap();
-    let mut ch = ctx.connect(url).await.unwrap();
+    let mut ch = if session {
+        let never = hyperframes::session::Reconnect::never();
+        ctx.connect_with(url, never).await.unwrap()
+    } else {
+        ctx.connect(url).await.unwrap()
+    };
     println!("READY");
     let mut count = 0u64;
     while let Some(m) = ch.recv().await {
@@ -114,7 +123,19 @@ fn spawn_peer(kind: &str, mode: &str, url: &str, engine: Option<&str>) -> Peer {
     Peer::spawn(&envs)
 }
 
-const ENGINES: [IoEngine; 3] = [IoEngine::Uring, IoEngine::Epoll, IoEngine::Inline];
+/// Engines, and whether over a session (acknowledged delivery: its cost against the plain
+/// inline channel).
+const VARIANTS: [(IoEngine, bool); 4] = [
+    (IoEngine::Uring, false),
+    (IoEngine::Epoll, false),
+    (IoEngine::Inline, false),
+    (IoEngine::Inline, true),
+];
+
+fn variant_name(engine: IoEngine, session: bool) -> String {
+    let suffix = if session { "_session" } else { "" };
+    format!("hyperframes_{}{suffix}", engine_name(engine))
+}
 
 fn engine_name(e: IoEngine) -> &'static str {
     match e {
@@ -124,14 +145,19 @@ fn engine_name(e: IoEngine) -> &'static str {
     }
 }
 
-/// A hyperframes channel to a freshly spawned peer.
-async fn hf_pair(engine: IoEngine, mode: &str) -> (hyperframes::Channel, Peer) {
+/// A hyperframes channel to a freshly spawned peer; a session when `session`.
+async fn hf_pair(engine: IoEngine, mode: &str, session: bool) -> (hyperframes::Channel, Peer) {
     let ctx = Context::builder().io_engine(engine).build().unwrap();
-    let mut l = ctx.bind("tcp://127.0.0.1:0").await.unwrap();
+    let mut l = if session {
+        ctx.bind_sessions("tcp://127.0.0.1:0").await.unwrap()
+    } else {
+        ctx.bind("tcp://127.0.0.1:0").await.unwrap()
+    };
     // Wait for the peer off the runtime: inline, this runtime answers its handshake.
     let (mode, url) = (mode.to_owned(), l.local_url().to_owned());
+    let kind = if session { "hf-session" } else { "hf" };
     let peer = tokio::task::spawn_blocking(move || {
-        spawn_peer("hf", &mode, &url, Some(engine_name(engine)))
+        spawn_peer(kind, &mode, &url, Some(engine_name(engine)))
     })
     .await
     .unwrap();
@@ -204,9 +230,9 @@ fn bench_streaming(c: &mut Criterion, rt: &tokio::runtime::Runtime, group: &str,
     g.sample_size(10)
         .measurement_time(Duration::from_secs(4))
         .warm_up_time(Duration::from_secs(1));
-    for engine in ENGINES {
-        let name = format!("hyperframes_{}", engine_name(engine));
-        let (mut ch, _peer) = rt.block_on(hf_pair(engine, "sink"));
+    for (engine, session) in VARIANTS {
+        let name = variant_name(engine, session);
+        let (mut ch, _peer) = rt.block_on(hf_pair(engine, "sink", session));
         g.bench_function(&name, |b| {
             b.iter_custom(|n| {
                 let d = rt.block_on(hf_stream(&mut ch, &body, n));
@@ -234,9 +260,9 @@ fn bench_latency(c: &mut Criterion, rt: &tokio::runtime::Runtime) {
     g.sample_size(10)
         .measurement_time(Duration::from_secs(4))
         .warm_up_time(Duration::from_secs(1));
-    for engine in ENGINES {
-        let name = format!("hyperframes_{}", engine_name(engine));
-        let (mut ch, _peer) = rt.block_on(hf_pair(engine, "echo"));
+    for (engine, session) in VARIANTS {
+        let name = variant_name(engine, session);
+        let (mut ch, _peer) = rt.block_on(hf_pair(engine, "echo", session));
         let msg = Message::new("bench.ping").unwrap().with_body(body.clone());
         g.bench_function(&name, |b| {
             b.iter_custom(|n| {

@@ -80,6 +80,7 @@ mod loom;
 pub mod message;
 #[cfg(feature = "tower")]
 pub mod middleware;
+pub mod session;
 mod text;
 mod transport;
 mod url;

@@ -73,6 +73,35 @@ impl Context {
         Ok(Channel::from_parts(parts))
     }
 
+    /// Connects a [session](crate::session) to a listener made with
+    /// [`bind_sessions`](Self::bind_sessions): a `Channel` whose messages are acknowledged
+    /// by the peer and resent after a broken connection, which `policy` reconnects.
+    ///
+    /// The first connection is made once: its error is returned as [`connect`](Self::connect)
+    /// would return it. Must be called inside a tokio runtime (with timers), which drives the
+    /// session and must keep running while it is used.
+    ///
+    /// # Cancel safety
+    /// As [`connect`](Self::connect).
+    pub async fn connect_with(
+        &self,
+        url: &str,
+        policy: crate::session::Reconnect,
+    ) -> Result<Channel> {
+        let ep = Endpoint::parse(url)?;
+        crate::session::connect(self.inner.clone(), ep, policy).await
+    }
+
+    /// Listens at `url` for [sessions](crate::session) (peers that call
+    /// [`connect_with`](Self::connect_with)). `accept` yields each new session once; a peer
+    /// reconnecting to a session it has resumes it, unseen by `accept`. A connection that does
+    /// not open a session within the handshake timeout is counted in `rejected` and dropped.
+    /// Must be called inside a tokio runtime, which drives the sessions.
+    pub async fn bind_sessions(&self, url: &str) -> Result<Listener> {
+        let ep = Endpoint::parse(url)?;
+        crate::session::bind(&self.inner, &ep).await
+    }
+
     /// The limits this context enforces on what it receives (and advertises to peers).
     pub fn limits(&self) -> &Limits {
         &self.inner.config().limits
@@ -270,6 +299,14 @@ impl ContextBuilder {
     /// reads. `None` keeps such connections for ever. Default 120 s; at least 1 ms.
     pub fn idle_timeout(mut self, idle: Option<Duration>) -> Self {
         self.cfg.idle_timeout = idle;
+        self
+    }
+
+    /// Settings of [sessions](crate::session): window, acknowledgement batch, how long a
+    /// listener waits for a session's peer to reconnect. Default:
+    /// [`SessionConfig::default`](crate::session::SessionConfig).
+    pub fn session(mut self, cfg: crate::session::SessionConfig) -> Self {
+        self.cfg.session = cfg;
         self
     }
 

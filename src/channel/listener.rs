@@ -40,6 +40,15 @@ impl Listener {
         Ok(Channel::from_parts(parts))
     }
 
+    pub(crate) fn poll_accept_channel(
+        &mut self,
+        cx: &mut TaskContext<'_>,
+    ) -> Poll<Result<Channel>> {
+        self.half
+            .poll_accept(cx)
+            .map(|r| r.map(Channel::from_parts))
+    }
+
     /// The bound address as a URL, with the real port after binding port 0
     /// (`tcp://127.0.0.1:40123`).
     pub fn local_url(&self) -> &str {

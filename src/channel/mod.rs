@@ -65,6 +65,10 @@ impl ChannelInfo {
     pub fn peer_identity(&self) -> Option<&PeerIdentity> {
         self.peer_identity.as_deref()
     }
+
+    pub(crate) fn peer_identity_arc(&self) -> Option<Arc<PeerIdentity>> {
+        self.peer_identity.clone()
+    }
 }
 
 impl fmt::Debug for ChannelInfo {
@@ -333,6 +337,17 @@ impl Sender {
     /// What the channel is connected to.
     pub fn info(&self) -> &ChannelInfo {
         &self.info
+    }
+
+    /// On a [session](crate::session) channel, takes the messages the peer never
+    /// acknowledged, in the order they were sent, once they will not be sent again: after
+    /// the session failed (the connection was lost and not resumed) or the peer dropped its
+    /// receiver. The peer may have received some of them (an acknowledgement can be lost with
+    /// the connection): what it did not receive is among them, so nothing is lost unknowingly.
+    /// Empty while the session lives; `None` on other channels, which do not know what the
+    /// peer received.
+    pub fn take_unacknowledged(&mut self) -> Option<Vec<Message>> {
+        self.half.take_unacknowledged()
     }
 
     /// Puts the halves of one channel back together.

@@ -22,7 +22,6 @@ pub(crate) mod identity;
 mod inproc;
 #[cfg(any(feature = "inproc", feature = "rdma"))]
 mod names;
-#[cfg(any(feature = "tcp", feature = "inproc"))]
 pub(crate) mod pipe;
 #[cfg(feature = "rdma")]
 pub(crate) mod rdma;
@@ -160,6 +159,8 @@ pub(crate) struct Config {
     pub(crate) rdma_slot_size: u32,
     pub(crate) rdma_pool_bytes: u64,
     pub(crate) rdma_keepalive: Duration,
+    /// Acknowledged delivery and reconnect (`connect_with`, `bind_sessions`).
+    pub(crate) session: crate::session::SessionConfig,
     /// `tls://`: certificates and trust.
     #[cfg(feature = "tls")]
     pub(crate) tls: Option<tcp::tls::TlsConfig>,
@@ -197,6 +198,7 @@ impl Default for Config {
             rdma_slot_size: 8192 + 512,
             rdma_pool_bytes: 256 << 20,
             rdma_keepalive: Duration::from_secs(1),
+            session: crate::session::SessionConfig::default(),
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -224,6 +226,10 @@ pub(crate) trait SendHalf: Send + Sync + 'static {
     }
     fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>>;
     fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>>;
+    /// What will never be delivered, where the half knows (sessions); `None` elsewhere.
+    fn take_unacknowledged(&mut self) -> Option<Vec<Message>> {
+        None
+    }
 }
 
 /// The receiving direction of one connection. After `Ready(None)` or an error it keeps

@@ -20,7 +20,8 @@
 //! however large, and a producer that found room may push one batch past the bounds (a
 //! batch is at most what one read or one `Sink` staging holds).
 
-// tcp and inproc each use part of this module; a build with only one of them leaves the rest.
+// tcp, inproc and sessions each use part of this module; a build without some of them
+// leaves the rest.
 #![cfg_attr(not(all(feature = "tcp", feature = "inproc")), allow(dead_code))]
 
 use std::sync::Arc;

@@ -172,6 +172,10 @@ impl Inner {
     /// logged) for a message that is not one.
     fn classify(&self, msg: Message) -> Option<(u64, Result<Message>)> {
         let header = msg.header();
+        if msg.kind() == crate::session::RESET_TYPE && header.flags == Flags::NONE {
+            self.on_reset(&msg);
+            return None;
+        }
         if !header.flags.contains(Flags::RESPONSE) {
             let n = self.unsolicited.fetch_add(1, Ordering::Relaxed) + 1;
             if self.log.allow().is_some() {
@@ -189,6 +193,38 @@ impl Inner {
             Ok(msg)
         };
         Some((header.correlation, result))
+    }
+
+    /// The server lost the session (it restarted): the requests it is not being sent again
+    /// may or may not have been handled, and their replies will never come. Fail them.
+    fn on_reset(&self, msg: &Message) {
+        let resent: std::collections::HashSet<u64> = crate::session::reset_ids(msg).collect();
+        let wakers: Vec<Waker> = {
+            let mut st = self.state();
+            st.pending
+                .iter_mut()
+                .filter(|(id, e)| e.reply.is_none() && !resent.contains(id))
+                .filter_map(|(id, e)| {
+                    e.reply = Some(Err(Error::new(
+                        ErrorKind::ConnectionLost,
+                        format!(
+                            "{} lost the session after it received request {id} (it restarted?): the request may or may not have been handled",
+                            self.peer
+                        ),
+                    )));
+                    e.waker.take()
+                })
+                .collect()
+        };
+        tracing::warn!(
+            "client of {}: the server lost the session; {} requests failed, {} sent again",
+            self.peer,
+            wakers.len(),
+            resent.len()
+        );
+        for w in wakers {
+            w.wake();
+        }
     }
 
     /// Hands the reply `id` to its request and wakes it; counts it when the request is gone.
