@@ -275,30 +275,7 @@ impl Meta {
             });
         }
         if !exists {
-            // Appending: in place when this map holds the only reference to its encoding (a
-            // map being built), so that adding N entries costs O(N), not O(N²).
-            let raw = std::mem::take(&mut self.raw);
-            let mut out = match raw.try_into_mut() {
-                Ok(mut unique) if !unique.is_empty() => {
-                    unique[..2].copy_from_slice(&(count as u16).to_le_bytes());
-                    unique
-                }
-                other => {
-                    // Shared (a received map, a clone), or empty: copy once, with room to
-                    // grow.
-                    let prev: &[u8] = match &other {
-                        Ok(b) => b,
-                        Err(b) => b,
-                    };
-                    let need = prev.len().max(2) + 3 + key.len() + value.len();
-                    let mut out = BytesMut::with_capacity(need.max(64));
-                    out.put_u16_le(count as u16);
-                    out.put_slice(prev.get(2..).unwrap_or_default());
-                    out
-                }
-            };
-            put_entry(&mut out, key, value);
-            self.raw = out.freeze();
+            self.append(count, key, value);
             return Ok(());
         }
         let mut out = BytesMut::with_capacity(self.raw.len() + value.len());
@@ -308,6 +285,73 @@ impl Meta {
         }
         self.raw = out.freeze();
         Ok(())
+    }
+
+    /// Appends an entry (a key not in the map; `count` the new number of entries): in place
+    /// when this map holds the only reference to its encoding (a map being built), so that
+    /// adding N entries costs O(N), not O(N²).
+    fn append(&mut self, count: usize, key: &str, value: &str) {
+        let raw = std::mem::take(&mut self.raw);
+        let mut out = match raw.try_into_mut() {
+            Ok(mut unique) if !unique.is_empty() => {
+                unique[..2].copy_from_slice(&(count as u16).to_le_bytes());
+                unique
+            }
+            other => {
+                // Shared (a received map, a clone), or empty: copy once, with room to grow.
+                let prev: &[u8] = match &other {
+                    Ok(b) => b,
+                    Err(b) => b,
+                };
+                let need = prev.len().max(2) + 3 + key.len() + value.len();
+                let mut out = BytesMut::with_capacity(need.max(64));
+                out.put_u16_le(count as u16);
+                out.put_slice(prev.get(2..).unwrap_or_default());
+                out
+            }
+        };
+        put_entry(&mut out, key, value);
+        self.raw = out.freeze();
+    }
+
+    /// Appends `key` (valid, and not in the map: the caller knows) with a `value` at most
+    /// [`MAX_VALUE_LEN`](Self::MAX_VALUE_LEN) long, without the checks of
+    /// [`insert`](Self::insert): the session's sequence number on every message.
+    pub(crate) fn push_trusted(&mut self, key: &'static str, value: &str) {
+        debug_assert!(validate_key(key.as_bytes()).is_ok() && !self.contains_key(key));
+        debug_assert!(value.len() <= Meta::MAX_VALUE_LEN && self.len() < Meta::MAX_ENTRIES);
+        self.append(self.len() + 1, key, value);
+    }
+
+    /// Removes the last entry if its key is `key`, and returns its value (a view of the old
+    /// encoding, no copy); the map keeps its other entries, re-encoded only when it has any.
+    pub(crate) fn pop_last_if(&mut self, key: &str) -> Option<Bytes> {
+        let mut rest = self.raw.get(2..)?;
+        let mut last = 2;
+        loop {
+            // Well formed (the invariant): every entry splits.
+            let (k, _, after) = split_entry(rest)?;
+            if after.is_empty() {
+                if k != key.as_bytes() {
+                    return None;
+                }
+                break;
+            }
+            last = self.raw.len() - after.len();
+            rest = after;
+        }
+        let value_at = last + 1 + key.len() + 2;
+        let value = self.raw.slice(value_at..);
+        let count = self.len() - 1;
+        self.raw = if count == 0 {
+            Bytes::new()
+        } else {
+            let mut out = BytesMut::with_capacity(last);
+            out.put_u16_le(count as u16);
+            out.put_slice(&self.raw[2..last]);
+            out.freeze()
+        };
+        Some(value)
     }
 
     /// Removes `key`; returns whether it was present.
@@ -483,6 +527,27 @@ impl<K: AsRef<str>, V: AsRef<str>> TryFrom<&[(K, V)]> for Meta {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pop_last_if_takes_only_the_last_entry() {
+        let mut m = Meta::new();
+        m.push_trusted("hf.seq", "12");
+        assert_eq!(m.pop_last_if("hf.seq").as_deref(), Some(&b"12"[..]));
+        assert!(m.is_empty() && m.as_wire().is_empty());
+        let mut m = Meta::new();
+        m.insert("a", "1").unwrap();
+        m.insert("b", "22").unwrap();
+        m.push_trusted("hf.seq", "333");
+        let before = m.clone();
+        assert_eq!(m.pop_last_if("b"), None);
+        assert_eq!(m.as_wire(), before.as_wire());
+        assert_eq!(m.pop_last_if("hf.seq").as_deref(), Some(&b"333"[..]));
+        let mut want = Meta::new();
+        want.insert("a", "1").unwrap();
+        want.insert("b", "22").unwrap();
+        assert_eq!(m.as_wire(), want.as_wire());
+        assert_eq!(Meta::new().pop_last_if("a"), None);
+    }
 
     #[test]
     fn integers_are_written_in_decimal() {

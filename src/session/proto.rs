@@ -153,9 +153,8 @@ pub(crate) fn check_outgoing(msg: &Message) -> Result<()> {
 pub(crate) fn stamp(mut msg: Message, seq: u64) -> Message {
     let mut digits = itoa_buf();
     let text = format_u64(seq, &mut digits);
-    msg.meta_mut()
-        .insert(SEQ, text)
-        .expect("hf.seq is a valid key and not in the map (check_outgoing)");
+    // Valid, and not in the map: `check_outgoing` refused it; entries below the limit.
+    msg.meta_mut().push_trusted(SEQ, text);
     msg
 }
 
@@ -182,17 +181,24 @@ fn format_u64(mut v: u64, buf: &mut [u8; 20]) -> &str {
     std::str::from_utf8(&buf[i..]).expect("ASCII digits")
 }
 
+/// A `u64` in decimal digits only (`u64::from_str` would also take a leading `+`).
+fn decimal(v: &[u8]) -> Option<u64> {
+    if v.is_empty() || v.len() > 20 {
+        return None;
+    }
+    v.iter().try_fold(0u64, |n, &b| {
+        b.is_ascii_digit()
+            .then(|| n.checked_mul(10)?.checked_add(u64::from(b - b'0')))
+            .flatten()
+    })
+}
+
 fn number(msg: &Message, key: &str) -> Result<u64> {
     let v = msg
         .meta()
         .get(key)
         .ok_or_else(|| protocol(format!("{} without {key}", msg.kind())))?;
-    // Decimal digits only: `u64::from_str` would also take a leading `+`.
-    if v.is_empty() || v.len() > 20 || !v.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(protocol(format!("{} with {key}={v:?}", msg.kind())));
-    }
-    v.parse()
-        .map_err(|_| protocol(format!("{} with {key}={v:?}", msg.kind())))
+    decimal(v.as_bytes()).ok_or_else(|| protocol(format!("{} with {key}={v:?}", msg.kind())))
 }
 
 fn flag(msg: &Message, key: &str) -> Result<bool> {
@@ -207,12 +213,19 @@ fn flag(msg: &Message, key: &str) -> Result<bool> {
 pub(crate) fn classify(mut msg: Message) -> Result<Control> {
     let kind = msg.kind().as_str();
     if !kind.starts_with(PREFIX) {
-        let seq = number(&msg, SEQ)?;
-        msg.meta_mut().remove(SEQ);
-        if seq == 0 {
-            return Err(protocol("a message numbered 0"));
-        }
-        return Ok(Control::Data(seq, msg));
+        // The number is the last entry, where the sender appended it.
+        let seq = match msg.meta_mut().pop_last_if(SEQ) {
+            Some(v) => decimal(&v),
+            None => None,
+        };
+        return match seq {
+            Some(0) => Err(protocol("a message numbered 0")),
+            Some(seq) => Ok(Control::Data(seq, msg)),
+            None => Err(protocol(format!(
+                "a message of type {} without {SEQ} as its last metadata entry",
+                msg.kind()
+            ))),
+        };
     }
     let out = match kind {
         FIN => Control::Fin(number(&msg, SEQ)?),
@@ -277,6 +290,8 @@ mod tests {
         ));
         assert!(matches!(classify(fin(3)).unwrap(), Control::Fin(3)));
         assert!(matches!(classify(stop()).unwrap(), Control::Stop));
+        assert_eq!(decimal(b"18446744073709551615"), Some(u64::MAX));
+        assert_eq!(decimal(b"007"), Some(7));
         let m = Message::new("a.b").unwrap().with_meta("k", "v").unwrap();
         let Control::Data(9, back) = classify(stamp(m.clone(), 9)).unwrap() else {
             panic!()
