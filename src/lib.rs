@@ -75,6 +75,8 @@ compile_error!("hyperframes supports 64-bit targets only");
 
 mod channel;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 #[cfg(feature = "shm")]
 mod loom;
 pub mod message;

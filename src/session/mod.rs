@@ -186,6 +186,11 @@ impl SessionConfig {
     }
 }
 
+/// Reads a message as a session's driver would (for the fuzz targets): true if accepted.
+pub(crate) fn fuzz_classify(msg: crate::Message) -> bool {
+    proto::classify(msg).is_ok()
+}
+
 /// A random number for session ids and jitter: std's per-process random hash keys, over a
 /// counter and the clock (no dependency for what needs no cryptographic strength; a session
 /// id is not a credential: on `tls://` a reconnect must also present the same certificate).
