@@ -4,8 +4,6 @@
 //! Memory is counted by the allocator (bytes allocated and not yet freed), not read from
 //! RSS: an allocation nobody has touched yet costs no RSS, but is memory all the same.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::{Duration, Instant};
 
 use hyperframes::{Context, ContextBuilder, IoEngine, Message};
@@ -19,40 +17,9 @@ const GUARD: Duration = Duration::from_secs(30);
 const FLOOD: usize = 400;
 const PER_PEER: usize = 300;
 
-/// The system allocator, counting the bytes it holds for the process.
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: every call is forwarded to `System` unchanged; the counter is only arithmetic.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(
-            new_size as isize - layout.size() as isize,
-            Ordering::Relaxed,
-        );
-        // SAFETY: the caller's contract, passed on.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
-
-/// KiB the process holds from the allocator.
-fn live_kib() -> u64 {
-    (LIVE.load(Ordering::Relaxed).max(0) / 1024) as u64
-}
+#[path = "common/counting_alloc.rs"]
+mod counting_alloc;
+use counting_alloc::live_kib;
 
 async fn flood(scheme: &str, engine: IoEngine, b: ContextBuilder) {
     let ctx = b
