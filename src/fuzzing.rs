@@ -123,24 +123,29 @@ pub fn shm_descriptor(data: &[u8]) {
     assert!(check(layout.body) <= bounds.max_body);
 }
 
-/// The rdma protocol core: a connection that has our peer's hello (and sent its own) takes
-/// the input as received buffers (`[len: u16 LE][bytes]`, repeated), answering as its driver
-/// would (taking messages, sending what it must), and never holds more than its window.
+/// The parameters both sides of [`rdma_proto`] offer (its seeds are written with them).
 #[cfg(feature = "rdma")]
-pub fn rdma_proto(mut data: &[u8]) {
-    use crate::transport::rdma::proto::{Connection, Params, decode, encode_hello};
-    use crate::transport::rdma::verbs::RemoteRegion;
-    let params = Params {
+pub fn rdma_params() -> crate::rdma::proto::Params {
+    crate::rdma::proto::Params {
         recv_slots: 8,
         slot_size: 8192 + 512,
         limits: Limits::default(),
-        keepalive: RemoteRegion {
+        keepalive: crate::rdma::verbs::RemoteRegion {
             addr: 1,
             len: 8,
             rkey: 2,
         },
         beat_ms: 10,
-    };
+    }
+}
+
+/// The rdma protocol core: a connection that has our peer's hello (and sent its own) takes
+/// the input as received buffers (`[len: u16 LE][bytes]`, repeated), answering as its driver
+/// would (taking messages, sending what it must), and never holds more than its window.
+#[cfg(feature = "rdma")]
+pub fn rdma_proto(mut data: &[u8]) {
+    use crate::transport::rdma::proto::{Connection, decode, encode_hello};
+    let params = rdma_params();
     let mut conn = Connection::new(params);
     let mut out = vec![0u8; 8192 + 512];
     let mut hello = [0u8; 8192 + 512];

@@ -190,19 +190,7 @@ fn seeds_shm(write: &dyn Fn(&str, &str, &[u8])) {
 
 #[cfg(feature = "rdma")]
 fn seeds_rdma(write: &dyn Fn(&str, &str, &[u8])) {
-    use hyperframes::rdma::proto::{Params, encode_hello};
-    use hyperframes::rdma::verbs::RemoteRegion;
-    let params = Params {
-        recv_slots: 8,
-        slot_size: 8192 + 512,
-        limits: Limits::default(),
-        keepalive: RemoteRegion {
-            addr: 1,
-            len: 8,
-            rkey: 2,
-        },
-        beat_ms: 10,
-    };
+    let params = fuzzing::rdma_params();
     // Length-prefixed receive buffers, as the peer (which has our hello) transmits them.
     use hyperframes::rdma::proto::Connection;
     let mut ours = Connection::new(params);
@@ -221,7 +209,6 @@ fn seeds_rdma(write: &dyn Fn(&str, &str, &[u8])) {
         data.extend((n as u16).to_le_bytes());
         data.extend_from_slice(&buf[..n]);
     }
-    let _ = encode_hello;
     write("rdma_proto", "eager-and-close", &data);
     write("rdma_proto", "empty", &[]);
 }

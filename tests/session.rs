@@ -4,79 +4,14 @@
 //! connection through it at once (both sockets closed, bytes in flight lost) and can refuse
 //! new ones for a while.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use hyperframes::session::{Reconnect, SessionConfig};
 use hyperframes::{Context, ErrorKind, IoEngine, Message};
-use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Mutex;
-use tokio::task::JoinHandle;
 
-/// A TCP relay to `target` that cuts its connections on demand.
-struct Relay {
-    url: String,
-    conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
-    refuse: Arc<AtomicBool>,
-    task: JoinHandle<()>,
-}
-
-impl Relay {
-    async fn start(target: &str) -> Relay {
-        let target = target.trim_start_matches("tcp://").to_owned();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("tcp://{}", listener.local_addr().unwrap());
-        let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let refuse = Arc::new(AtomicBool::new(false));
-        let (c, r) = (conns.clone(), refuse.clone());
-        let task = tokio::spawn(async move {
-            loop {
-                let (mut inbound, _) = listener.accept().await.unwrap();
-                if r.load(Ordering::Relaxed) {
-                    let _ = inbound.shutdown().await;
-                    continue;
-                }
-                let target = target.clone();
-                let h = tokio::spawn(async move {
-                    let Ok(mut outbound) = TcpStream::connect(&target).await else {
-                        return;
-                    };
-                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                });
-                c.lock().await.push(h);
-            }
-        });
-        Relay {
-            url,
-            conns,
-            refuse,
-            task,
-        }
-    }
-
-    /// Drops every connection through the relay (what was in flight inside it is lost).
-    async fn cut(&self) -> usize {
-        let mut conns = self.conns.lock().await;
-        let n = conns.iter().filter(|h| !h.is_finished()).count();
-        for h in conns.drain(..) {
-            h.abort();
-        }
-        n
-    }
-
-    fn refuse(&self, on: bool) {
-        self.refuse.store(on, Ordering::Relaxed);
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
+#[path = "common/relay.rs"]
+mod relay;
+use relay::Relay;
 
 fn context(engine: IoEngine, session: SessionConfig) -> Context {
     Context::builder()
@@ -402,7 +337,6 @@ async fn reserved_names_are_refused_and_limits_leave_room_for_the_number() {
     }
     ch.send(full).await.unwrap();
     ch.flush().await.unwrap();
-    let _ = Bytes::new();
 }
 
 /// A server in a runtime of its own, on the inline engine (its connections live in that

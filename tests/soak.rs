@@ -14,9 +14,6 @@ use std::time::{Duration, Instant};
 
 use hyperframes::session::{Reconnect, SessionConfig};
 use hyperframes::{Channel, Context, Listener, Message};
-use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 
 #[path = "common/counting_alloc.rs"]
@@ -109,50 +106,9 @@ async fn echo(ch: Channel) {
     }
 }
 
-/// A relay that cuts every connection through it on demand (as in tests/session.rs).
-struct Relay {
-    url: String,
-    conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
-    task: JoinHandle<()>,
-}
-
-impl Relay {
-    async fn start(target: &str) -> Relay {
-        let target = target.trim_start_matches("tcp://").to_owned();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("tcp://{}", listener.local_addr().unwrap());
-        let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let c = conns.clone();
-        let task = tokio::spawn(async move {
-            while let Ok((mut inbound, _)) = listener.accept().await {
-                let target = target.clone();
-                let h = tokio::spawn(async move {
-                    let Ok(mut outbound) = TcpStream::connect(&target).await else {
-                        let _ = inbound.shutdown().await;
-                        return;
-                    };
-                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                });
-                let mut conns = c.lock().await;
-                conns.retain(|h| !h.is_finished());
-                conns.push(h);
-            }
-        });
-        Relay { url, conns, task }
-    }
-
-    async fn cut(&self) {
-        for h in self.conns.lock().await.drain(..) {
-            h.abort();
-        }
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
+#[path = "common/relay.rs"]
+mod relay;
+use relay::Relay;
 
 struct Stats {
     live: AtomicUsize,

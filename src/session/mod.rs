@@ -13,11 +13,11 @@
 //!   keeps each message (a reference count: the body is not copied) until it is
 //!   acknowledged, at most [`SessionConfig::window`] of them: beyond that `send` waits, which
 //!   is backpressure as on any channel.
-//! * **Reconnect and resend.** The side that connected ([`Context::connect_with`]) reconnects
+//! * **Reconnect and resend.** The side that connected ([`Context::connect_with`](crate::Context::connect_with)) reconnects
 //!   after the connection breaks, with the [`Reconnect`] policy's backoff; both sides then say
 //!   what they have received and resend, in order, what the other lacks; the receiver drops
 //!   anything it has already delivered (by sequence number). The side that listens
-//!   ([`Context::bind_sessions`]) keeps the session for [`SessionConfig::resume_within`]
+//!   ([`Context::bind_sessions`](crate::Context::bind_sessions)) keeps the session for [`SessionConfig::resume_within`]
 //!   waiting for that reconnect. Meanwhile sends go on until the window is full.
 //! * **Nothing lost unknowingly.** When a session ends without its messages delivered (the
 //!   policy gave up, the listener's wait ran out, the peer dropped its receiver), both halves
