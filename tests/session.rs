@@ -513,3 +513,119 @@ async fn a_peer_that_breaks_the_session_protocol_loses_its_connection() {
         assert_eq!(e.kind(), ErrorKind::ConnectionLost, "{what}: {e:#}");
     }
 }
+
+/// The relay forwards in pieces of 1 to 7 bytes with a delay, then stalls (sockets open,
+/// nothing passes) past the heartbeat bound, then cuts mid-frame: the plain channel reads
+/// its frames from any segmentation, reports the stall as silence on both halves; the
+/// session rides through all of it, every echo once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiny_segments_a_stall_and_a_cut_mid_frame() {
+    let beat = Duration::from_millis(50);
+    let ctx = Context::builder()
+        .heartbeat(Some(beat), 5)
+        .session(SessionConfig::default().window(64))
+        .build()
+        .unwrap();
+    // Plain: tiny segments, then a stall.
+    let mut plain = ctx.bind("tcp://127.0.0.1:0").await.unwrap();
+    let relay = Relay::start(plain.local_url()).await;
+    relay.shape(1, Duration::ZERO);
+    let (mut tx, mut rx) = ctx.connect(&relay.url).await.unwrap().split();
+    let echo = tokio::spawn(async move {
+        let (mut stx, mut srx) = plain.accept().await.unwrap().split();
+        while let Some(Ok(m)) = srx.recv().await {
+            if stx.send(m).await.is_err() {
+                break;
+            }
+        }
+        srx.recv().await
+    });
+    for (i, size) in [1usize, 7, 3, 5, 2]
+        .into_iter()
+        .cycle()
+        .take(60)
+        .enumerate()
+    {
+        relay.shape(size, Duration::from_micros(20));
+        tx.send(numbered(i as u64 % 96 + 1)).await.unwrap();
+        let m = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(index(&m), i as u64 % 96 + 1);
+    }
+    relay.shape(0, Duration::ZERO);
+    relay.stall(true);
+    let stalled = Instant::now();
+    let e = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        .await
+        .expect("the stall is found")
+        .unwrap()
+        .unwrap_err();
+    let found = stalled.elapsed();
+    assert_eq!(e.kind(), ErrorKind::ConnectionLost, "{e:#}");
+    assert!(format!("{e}").contains("silent"), "{e}");
+    let server_saw = tokio::time::timeout(Duration::from_secs(10), echo)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(server_saw, None | Some(Err(_))), "{server_saw:?}");
+    println!("plain: 60 echoes through 1-7 byte segments; a stall found after {found:?}: {e}");
+    relay.stall(false);
+    drop(relay);
+
+    // Session: the same faults, then a cut while 200 KiB bodies are in flight.
+    let mut sessions = ctx.bind_sessions("tcp://127.0.0.1:0").await.unwrap();
+    let relay = Relay::start(sessions.local_url()).await;
+    let server = tokio::spawn(async move {
+        let (mut stx, mut srx) = sessions.accept().await.unwrap().split();
+        while let Some(Ok(m)) = srx.recv().await {
+            stx.send(m).await.unwrap();
+        }
+        stx.close().await.unwrap();
+    });
+    let ch = ctx
+        .connect_with(&relay.url, fast_reconnect())
+        .await
+        .unwrap();
+    let (mut tx, mut rx) = ch.split();
+    const N: u64 = 600;
+    let sender = tokio::spawn(async move {
+        for i in 0..N {
+            tx.send(numbered(i)).await.unwrap();
+        }
+        tx.close().await.unwrap();
+    });
+    let started = Instant::now();
+    let mut next = 0;
+    while let Some(m) = tokio::time::timeout(Duration::from_secs(30), rx.recv())
+        .await
+        .expect("echoes keep coming")
+    {
+        assert_eq!(index(&m.unwrap()), next, "in order, exactly once");
+        next += 1;
+        match next {
+            50 => relay.shape(3, Duration::from_micros(10)),
+            100 => {
+                relay.shape(0, Duration::ZERO);
+                relay.stall(true);
+                tokio::time::sleep(beat * 12).await; // past the bound: the connection is dropped
+                relay.stall(false);
+            }
+            // 194 is a 200 KiB body (every 97th): cut with one in flight.
+            193 => {
+                relay.cut().await;
+            }
+            _ => {}
+        }
+    }
+    sender.await.unwrap();
+    server.await.unwrap();
+    assert_eq!(next, N);
+    println!(
+        "session: {N} echoes through tiny segments, a {:?} stall and a cut mid-frame in {:.1?}: lost 0, duplicated 0",
+        beat * 12,
+        started.elapsed()
+    );
+}
