@@ -81,6 +81,8 @@ pub(crate) struct Driver {
     lost_at: Option<Instant>,
     /// Sent and not acknowledged, in sequence order (contiguous numbers).
     out: VecDeque<Outgoing>,
+    /// Their body bytes.
+    out_bytes: u64,
     /// The last sequence number given out.
     next_seq: u64,
     /// The last sequence number written on the current connection.
@@ -255,6 +257,7 @@ impl Driver {
             link: Link::Up(raw),
             lost_at: None,
             out: VecDeque::new(),
+            out_bytes: 0,
             next_seq: 0,
             sent: 0,
             fin_queued: false,
@@ -281,9 +284,14 @@ impl Driver {
     /// Takes the application's messages into the window.
     fn pull_from_app(&mut self, cx: &mut Context<'_>) -> bool {
         let mut did = false;
-        while !self.fin_queued && !self.stopped && self.out.len() < self.cfg.window {
+        while !self.fin_queued
+            && !self.stopped
+            && self.out.len() < self.cfg.window
+            && (self.out.is_empty() || self.out_bytes < self.cfg.window_bytes)
+        {
             match self.up.poll_next(cx) {
                 Poll::Ready(Some(msg)) => {
+                    self.out_bytes += msg.body().len() as u64;
                     self.next_seq += 1;
                     let seq = self.next_seq;
                     self.out.push_back(Outgoing {
@@ -323,6 +331,7 @@ impl Driver {
         let mut users = 0;
         while self.out.front().is_some_and(|o| o.seq <= seq) {
             let o = self.out.pop_front().expect("checked");
+            self.out_bytes -= o.msg.body().len() as u64;
             if o.user {
                 users += 1;
             } else {
@@ -430,6 +439,7 @@ impl Driver {
     /// Every message not acknowledged, unnumbered, in order: the window, then what the
     /// application handed over after it.
     fn take_unacked_out(&mut self) -> Vec<Message> {
+        self.out_bytes = 0;
         let mut v: Vec<Message> = self
             .out
             .drain(..)

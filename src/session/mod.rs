@@ -11,8 +11,9 @@
 //!   arrived (so a quiet channel is acknowledged at once, a busy one in batches; an
 //!   acknowledgement rides in the same write as any data going the other way). The sender
 //!   keeps each message (a reference count: the body is not copied) until it is
-//!   acknowledged, at most [`SessionConfig::window`] of them: beyond that `send` waits, which
-//!   is backpressure as on any channel.
+//!   acknowledged, at most [`SessionConfig::window`] of them and
+//!   [`SessionConfig::window_bytes`] of bodies: beyond that `send` waits, which is
+//!   backpressure as on any channel.
 //! * **Reconnect and resend.** The side that connected ([`Context::connect_with`](crate::Context::connect_with)) reconnects
 //!   after the connection breaks, with the [`Reconnect`] policy's backoff; both sides then say
 //!   what they have received and resend, in order, what the other lacks; the receiver drops
@@ -148,6 +149,7 @@ impl Reconnect {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SessionConfig {
     pub(crate) window: usize,
+    pub(crate) window_bytes: u64,
     pub(crate) ack_every: u64,
     pub(crate) resume_within: Duration,
 }
@@ -156,6 +158,7 @@ impl Default for SessionConfig {
     fn default() -> SessionConfig {
         SessionConfig {
             window: 1024,
+            window_bytes: 16 << 20,
             ack_every: 64,
             resume_within: Duration::from_secs(30),
         }
@@ -164,10 +167,17 @@ impl Default for SessionConfig {
 
 impl SessionConfig {
     /// The most messages sent and not yet acknowledged (default 1024); `send` waits beyond.
-    /// They are kept by reference count (bodies are not copied), so this bounds memory by
-    /// what the application handed over.
+    /// They are kept by reference count (bodies are not copied), but a body kept is memory
+    /// held: see [`window_bytes`](Self::window_bytes).
     pub fn window(mut self, messages: usize) -> SessionConfig {
         self.window = messages.max(1);
+        self
+    }
+
+    /// The most body bytes sent and not yet acknowledged (default 16 MiB, as the send
+    /// queue); one message is always admitted, however large.
+    pub fn window_bytes(mut self, bytes: u64) -> SessionConfig {
+        self.window_bytes = bytes;
         self
     }
 
