@@ -595,14 +595,7 @@ impl Driver {
                         1,
                     );
                 } else {
-                    let n = self.out.len();
-                    self.fail(Error::new(
-                        ErrorKind::ConnectionLost,
-                        format!(
-                            "session with {} lost ({err:#}); no reconnect; {n} messages not acknowledged are in take_unacknowledged",
-                            self.peer
-                        ),
-                    ));
+                    self.give_up(format_args!("lost ({err:#}); no reconnect"));
                 }
             }
             Role::Server { .. } => {
@@ -615,6 +608,20 @@ impl Driver {
                 self.link = Link::Waiting(Box::pin(tokio::time::sleep(self.cfg.resume_within)));
             }
         }
+    }
+
+    /// The connection is gone for good (`why`): both halves fail with `ConnectionLost`,
+    /// saying how many messages wait in `take_unacknowledged`.
+    fn give_up(&mut self, why: std::fmt::Arguments<'_>) {
+        let left = self.out.iter().filter(|o| o.user).count();
+        let err = Error::new(
+            ErrorKind::ConnectionLost,
+            format!(
+                "session with {}: {why}; {left} messages not acknowledged are in take_unacknowledged",
+                self.peer
+            ),
+        );
+        self.fail(err);
     }
 
     /// The session is over: both halves fail with `err`, and every message not
@@ -748,13 +755,8 @@ impl Driver {
                             let d = policy.delay(n + 1, random_unit());
                             self.link = Link::Backoff(Box::pin(tokio::time::sleep(d)), n + 1);
                         } else {
-                            let left = self.out.len();
-                            self.fail(Error::new(
-                                ErrorKind::ConnectionLost,
-                                format!(
-                                    "session with {}: gave up after {n} attempts to reconnect ({e:#}); {left} messages not acknowledged are in take_unacknowledged",
-                                    self.peer
-                                ),
+                            self.give_up(format_args!(
+                                "gave up after {n} attempts to reconnect ({e:#})"
                             ));
                         }
                         true
@@ -765,15 +767,8 @@ impl Driver {
                 if deadline.as_mut().poll(cx).is_pending() {
                     return false;
                 }
-                let left = self.out.len();
                 let within = self.cfg.resume_within;
-                self.fail(Error::new(
-                    ErrorKind::ConnectionLost,
-                    format!(
-                        "session with {}: the peer did not reconnect within {within:?}; {left} messages not acknowledged are in take_unacknowledged",
-                        self.peer
-                    ),
-                ));
+                self.give_up(format_args!("the peer did not reconnect within {within:?}"));
                 true
             }
         }

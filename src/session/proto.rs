@@ -16,6 +16,7 @@
 use bytes::{BufMut, BytesMut};
 
 use crate::error::Result;
+use crate::message::MetaValue;
 use crate::{Error, ErrorKind, Flags, Message, MsgType};
 
 /// The type of the message a connecting side's [`Receiver`](crate::Receiver) yields when the
@@ -151,10 +152,8 @@ pub(crate) fn check_outgoing(msg: &Message) -> Result<()> {
 
 /// Numbers an outgoing message (appends `hf.seq`).
 pub(crate) fn stamp(mut msg: Message, seq: u64) -> Message {
-    let mut digits = itoa_buf();
-    let text = format_u64(seq, &mut digits);
     // Valid, and not in the map: `check_outgoing` refused it; entries below the limit.
-    msg.meta_mut().push_trusted(SEQ, text);
+    seq.with_text(|text| msg.meta_mut().push_trusted(SEQ, text));
     msg
 }
 
@@ -162,23 +161,6 @@ pub(crate) fn stamp(mut msg: Message, seq: u64) -> Message {
 pub(crate) fn unstamp(mut msg: Message) -> Message {
     msg.meta_mut().remove(SEQ);
     msg
-}
-
-fn itoa_buf() -> [u8; 20] {
-    [0; 20]
-}
-
-fn format_u64(mut v: u64, buf: &mut [u8; 20]) -> &str {
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (v % 10) as u8;
-        v /= 10;
-        if v == 0 {
-            break;
-        }
-    }
-    std::str::from_utf8(&buf[i..]).expect("ASCII digits")
 }
 
 /// A `u64` in decimal digits only (`u64::from_str` would also take a leading `+`).
