@@ -74,6 +74,8 @@
 compile_error!("hyperframes supports 64-bit targets only");
 
 mod channel;
+#[cfg(feature = "cuda")]
+pub mod device;
 mod error;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -136,7 +138,7 @@ pub use channel::{
     Sender,
 };
 pub use error::{Error, ErrorKind, Result};
-pub use message::{Body, BodyMut, Flags, Header, Message, Meta, MsgType};
+pub use message::{Body, BodyMut, Flags, Header, Location, Message, Meta, MsgType};
 pub use text::escape_untrusted;
 pub use transport::identity::PeerIdentity;
 #[cfg(feature = "tls")]

@@ -132,6 +132,15 @@ pub struct ContextBuilder {
 }
 
 impl ContextBuilder {
+    /// Where bodies sent from device memory land on this context's channels: in memory of
+    /// `gpu` (a handler gets a device body without staging by hand), or host memory (the
+    /// default). [`Receiver::land_on`](crate::Receiver::land_on) changes it per channel.
+    #[cfg(feature = "cuda")]
+    pub fn land_on(mut self, gpu: crate::device::Gpu) -> Self {
+        self.cfg.landing = Some(gpu);
+        self
+    }
+
     /// Receive limits advertised to peers and enforced on what arrives. Default:
     /// [`Limits::default`] (64 MiB bodies, 4 KiB / 32 entries of metadata).
     pub fn limits(mut self, limits: Limits) -> Self {

@@ -3,6 +3,7 @@
 //! See the crate docs, *Channel semantics*, for what every transport guarantees.
 
 mod context;
+pub(crate) mod device;
 mod listener;
 
 pub use context::{Context, ContextBuilder};
@@ -43,6 +44,18 @@ impl ChannelInfo {
     /// The transport: `"tcp"`, `"tls"`, `"shm"`, `"inproc"`, `"rdma"` (also for `rdma+sim://`).
     pub fn transport(&self) -> &'static str {
         self.transport
+    }
+
+    /// How a body in device memory travels on this channel: `"in-process"` (`inproc://`:
+    /// the receiver gets the sender's device memory itself) or `"staged"` (copied to host
+    /// buffers in chunks, each chunk sent while the next is copied). See [`crate::device`].
+    #[cfg(feature = "cuda")]
+    pub fn device_path(&self) -> &'static str {
+        if self.transport == "inproc" {
+            "in-process"
+        } else {
+            "staged"
+        }
     }
 
     /// This end's address, as a URL.
@@ -99,6 +112,8 @@ pub struct Channel {
 pub struct Sender {
     half: Box<dyn SendHalf>,
     info: Arc<ChannelInfo>,
+    #[cfg(feature = "cuda")]
+    stage: device::Stage,
 }
 
 /// The receiving half of a [`Channel`]. A `Stream<Item = Result<Message>>` that ends after
@@ -106,6 +121,7 @@ pub struct Sender {
 pub struct Receiver {
     half: Box<dyn RecvHalf>,
     info: Arc<ChannelInfo>,
+    asm: device::Assembler,
 }
 
 /// Halves of two different channels given to [`Sender::reunite`]; both are handed back.
@@ -149,10 +165,13 @@ impl Channel {
             tx: Sender {
                 half: parts.tx,
                 info: info.clone(),
+                #[cfg(feature = "cuda")]
+                stage: device::Stage::new(&parts.setup),
             },
             rx: Receiver {
                 half: parts.rx,
                 info,
+                asm: device::Assembler::new(&parts.setup),
             },
         }
     }
@@ -201,10 +220,24 @@ impl Channel {
 
 impl Sender {
     pub(crate) fn poll_ready_inner(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
+        #[cfg(feature = "cuda")]
+        std::task::ready!(self.stage.poll_drive(&mut *self.half, cx))?;
         self.half.poll_ready(cx)
     }
 
     fn start_send_inner(&mut self, msg: Message) -> Result<()> {
+        if msg.header().flags.intersects(crate::Flags::CHANNEL) {
+            return Err(Error::new(
+                ErrorKind::Mismatch,
+                format!(
+                    "message of type {} not sent: its header sets flags the channel reserves \
+                     for itself ({:?})",
+                    msg.kind(),
+                    msg.header().flags
+                ),
+            )
+            .with_message(msg));
+        }
         if let Err(e) = self.info.peer_limits.check(&msg) {
             return Err(Error::new(
                 ErrorKind::LimitExceeded,
@@ -216,7 +249,31 @@ impl Sender {
             )
             .with_message(msg));
         }
+        #[cfg(feature = "cuda")]
+        if self.stage.wants(&msg) {
+            return self.stage.start(&mut *self.half, msg, &self.info.peer);
+        }
         self.half.start_send(msg)
+    }
+
+    /// Hands over the rest of a device body in progress, then what the transport staged.
+    #[cfg(feature = "cuda")]
+    fn poll_submit_inner(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
+        #[cfg(feature = "cuda")]
+        std::task::ready!(self.stage.poll_drive(&mut *self.half, cx))?;
+        self.half.poll_submit(cx)
+    }
+
+    fn poll_flush_inner(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
+        #[cfg(feature = "cuda")]
+        std::task::ready!(self.stage.poll_drive(&mut *self.half, cx))?;
+        self.half.poll_flush(cx)
+    }
+
+    fn poll_close_inner(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
+        #[cfg(feature = "cuda")]
+        std::task::ready!(self.stage.poll_drive(&mut *self.half, cx))?;
+        self.half.poll_close(cx)
     }
 
     /// Waits for room, then hands `msg` to the transport. It does not wait for the write to
@@ -232,10 +289,17 @@ impl Sender {
     /// If the future is dropped before it completes, the message was not handed over and is
     /// dropped with the future; nothing of it was sent. To wait for room in a `select!`
     /// without giving up a message, use [`ready`](Self::ready) (cancel safe) and then
-    /// [`try_send`](Self::try_send).
+    /// [`try_send`](Self::try_send). One exception: a body in device memory that the channel
+    /// stages (feature `cuda`) is sent in pieces once announced; a cancelled `send` leaves the
+    /// rest to the next call on this `Sender` (`send`, `ready`, `flush`, `close`), which
+    /// finishes it first.
     pub async fn send(&mut self, msg: Message) -> Result<()> {
         poll_fn(|cx| self.poll_ready_inner(cx)).await?;
         self.start_send_inner(msg)?;
+        #[cfg(feature = "cuda")]
+        if self.stage.busy() {
+            return poll_fn(|cx| self.poll_submit_inner(cx)).await;
+        }
         // Accepted; if this future is dropped before the transport has taken the message (a
         // shared-memory arena without room yet), take it back: a cancelled send sent nothing.
         let mut submit = Unstage {
@@ -321,7 +385,7 @@ impl Sender {
     /// # Cancel safety
     /// Cancel safe: nothing is lost by dropping it, and a later call waits for the same.
     pub async fn flush(&mut self) -> Result<()> {
-        poll_fn(|cx| self.half.poll_flush(cx)).await
+        poll_fn(|cx| self.poll_flush_inner(cx)).await
     }
 
     /// Flushes, then finishes this direction: the peer's `Receiver` ends after the messages
@@ -331,7 +395,7 @@ impl Sender {
     /// # Cancel safety
     /// Cancel safe: the close has begun and completes in the background.
     pub async fn close(&mut self) -> Result<()> {
-        poll_fn(|cx| self.half.poll_close(cx)).await
+        poll_fn(|cx| self.poll_close_inner(cx)).await
     }
 
     /// What the channel is connected to.
@@ -361,6 +425,30 @@ impl Sender {
     }
 }
 
+/// A device body cut off by the drop is reported: its receiver sees the connection end in
+/// the middle of the body, as an error.
+#[cfg(feature = "cuda")]
+impl Drop for Sender {
+    fn drop(&mut self) {
+        if let Some((sent, len)) = self.stage.pending_bytes() {
+            tracing::warn!(
+                peer = %self.info.peer, sent, len,
+                "a Sender was dropped in the middle of a body sent from device memory: the rest \
+                 is not sent, and the receiver gets an error"
+            );
+        }
+    }
+}
+
+/// A receiving half that has ended (after a violation the channel layer found).
+struct Ended;
+
+impl RecvHalf for Ended {
+    fn poll_recv(&mut self, _cx: &mut TaskContext<'_>) -> Poll<Option<Result<Message>>> {
+        Poll::Ready(None)
+    }
+}
+
 /// Takes back, on drop, a message a transport accepted but has not taken yet.
 struct Unstage<'a> {
     half: &'a mut dyn SendHalf,
@@ -382,7 +470,39 @@ impl Receiver {
     /// # Cancel safety
     /// Cancel safe: a message is taken from the queue only when the future completes.
     pub async fn recv(&mut self) -> Option<Result<Message>> {
-        poll_fn(|cx| self.half.poll_recv(cx)).await
+        poll_fn(|cx| self.poll_recv_inner(cx)).await
+    }
+
+    fn poll_recv_inner(&mut self, cx: &mut TaskContext<'_>) -> Poll<Option<Result<Message>>> {
+        loop {
+            let m = match std::task::ready!(self.half.poll_recv(cx)) {
+                Some(Ok(m)) => m,
+                Some(Err(e)) => return Poll::Ready(Some(Err(self.asm.end().unwrap_or(e)))),
+                None => return Poll::Ready(self.asm.end().map(Err)),
+            };
+            if self.asm.passes(&m) {
+                return Poll::Ready(Some(Ok(m)));
+            }
+            match self.asm.take(m) {
+                Ok(Some(m)) => return Poll::Ready(Some(Ok(m))),
+                Ok(None) => {}
+                // The stream position is lost: this error ends the stream.
+                Err(e) => {
+                    self.half = Box::new(Ended);
+                    return Poll::Ready(Some(Err(e)));
+                }
+            }
+        }
+    }
+
+    /// Where bodies sent from device memory land on this channel: in memory of `gpu`, or
+    /// (`None`) in host memory. The default is the context's
+    /// [`ContextBuilder::land_on`](crate::ContextBuilder::land_on). Bodies that already
+    /// live in device memory on arrival (`inproc://` hands over the sender's) stay where they
+    /// are.
+    #[cfg(feature = "cuda")]
+    pub fn land_on(&mut self, gpu: Option<crate::device::Gpu>) {
+        self.asm.landing = gpu;
     }
 
     /// What the channel is connected to.
@@ -413,11 +533,11 @@ impl Sink<Message> for Sender {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
-        self.get_mut().half.poll_flush(cx)
+        self.get_mut().poll_flush_inner(cx)
     }
 
     fn poll_close(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
-        self.get_mut().half.poll_close(cx)
+        self.get_mut().poll_close_inner(cx)
     }
 }
 
@@ -425,7 +545,7 @@ impl Stream for Receiver {
     type Item = Result<Message>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Option<Result<Message>>> {
-        self.get_mut().half.poll_recv(cx)
+        self.get_mut().poll_recv_inner(cx)
     }
 }
 

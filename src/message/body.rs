@@ -6,11 +6,12 @@ use bytes::Bytes;
 
 /// The body of a message: the large part, which travels without user-space copies.
 ///
-/// Today a body lives in host memory as a [`Bytes`]. A `Bytes` can own any memory through
-/// [`Bytes::from_owner`] — a shared-memory lease, a registered RDMA buffer, a pooled receive
-/// buffer — which is how transports hand bodies out zero-copy. Device (GPU) memory joins as
-/// another [`Location`] with the `cuda` feature; code that only handles host bodies uses
-/// [`Body::as_bytes`] / [`Body::into_bytes`] and gets `None`/`Err` for the others.
+/// A host body is a [`Bytes`]. A `Bytes` can own any memory through [`Bytes::from_owner`] —
+/// a shared-memory lease, a registered RDMA buffer, a pooled receive buffer — which is how
+/// transports hand bodies out zero-copy. With the `cuda` feature a body can also live in
+/// device memory (`Body::from(DeviceBody)`, see `hyperframes::device`); code that only
+/// handles host bodies uses [`Body::as_bytes`] / [`Body::into_bytes`] and gets `None`/`Err`
+/// for the others.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Body {
     repr: Repr,
@@ -24,19 +25,34 @@ enum Repr {
     #[cfg_attr(not(any(feature = "shm", feature = "rdma")), allow(dead_code))]
     // lent memory comes from shm and rdma
     Leased(Bytes, LeaseTag),
+    /// Device memory.
+    #[cfg(feature = "cuda")]
+    Device(crate::device::DeviceBody),
 }
 
+/// Host bodies are equal when their bytes are; device bodies when they are the same memory
+/// (comparing contents would need a copy from the device).
 impl PartialEq for Repr {
     fn eq(&self, other: &Repr) -> bool {
-        self.bytes() == other.bytes()
+        match (self.host(), other.host()) {
+            (Some(a), Some(b)) => a == b,
+            #[cfg(feature = "cuda")]
+            (None, None) => match (self, other) {
+                (Repr::Device(a), Repr::Device(b)) => a.same_memory(b),
+                _ => false,
+            },
+            _ => false,
+        }
     }
 }
 impl Eq for Repr {}
 
 impl Repr {
-    fn bytes(&self) -> &Bytes {
+    fn host(&self) -> Option<&Bytes> {
         match self {
-            Repr::Host(b) | Repr::Leased(b, _) => b,
+            Repr::Host(b) | Repr::Leased(b, _) => Some(b),
+            #[cfg(feature = "cuda")]
+            Repr::Device(_) => None,
         }
     }
 }
@@ -60,6 +76,16 @@ impl Default for Body {
 pub enum Location {
     /// Host memory, readable as a byte slice.
     Host,
+    /// Memory of the CUDA device with this ordinal.
+    #[cfg(feature = "cuda")]
+    Cuda {
+        /// The device ordinal.
+        ordinal: u32,
+    },
+    /// Host memory standing in for a device ([`Gpu::stand_in`](crate::device::Gpu::stand_in)):
+    /// handled as device memory everywhere, for tests of device code on hosts without a GPU.
+    #[cfg(feature = "cuda")]
+    StandIn,
 }
 
 impl Body {
@@ -72,7 +98,11 @@ impl Body {
 
     /// The length in bytes.
     pub fn len(&self) -> usize {
-        self.repr.bytes().len()
+        match &self.repr {
+            Repr::Host(b) | Repr::Leased(b, _) => b.len(),
+            #[cfg(feature = "cuda")]
+            Repr::Device(d) => d.len(),
+        }
     }
 
     /// True when the body is empty.
@@ -84,12 +114,14 @@ impl Body {
     pub fn location(&self) -> Location {
         match &self.repr {
             Repr::Host(_) | Repr::Leased(..) => Location::Host,
+            #[cfg(feature = "cuda")]
+            Repr::Device(d) => d.location(),
         }
     }
 
     /// The bytes, when the body is in host memory.
     pub fn as_bytes(&self) -> Option<&Bytes> {
-        Some(self.repr.bytes())
+        self.repr.host()
     }
 
     /// The bytes, when the body is in host memory; the body back otherwise.
@@ -97,6 +129,17 @@ impl Body {
     pub fn into_bytes(self) -> Result<Bytes, Body> {
         match self.repr {
             Repr::Host(b) | Repr::Leased(b, _) => Ok(b),
+            #[cfg(feature = "cuda")]
+            Repr::Device(_) => Err(self),
+        }
+    }
+
+    /// The device memory, when the body is in device memory.
+    #[cfg(feature = "cuda")]
+    pub fn as_device(&self) -> Option<&crate::device::DeviceBody> {
+        match &self.repr {
+            Repr::Device(d) => Some(d),
+            _ => None,
         }
     }
 
@@ -113,7 +156,7 @@ impl Body {
     pub(crate) fn lease_tag(&self) -> Option<LeaseTag> {
         match &self.repr {
             Repr::Leased(_, tag) => Some(*tag),
-            Repr::Host(_) => None,
+            _ => None,
         }
     }
 }
@@ -122,6 +165,15 @@ impl From<Bytes> for Body {
     fn from(b: Bytes) -> Body {
         Body {
             repr: Repr::Host(b),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<crate::device::DeviceBody> for Body {
+    fn from(d: crate::device::DeviceBody) -> Body {
+        Body {
+            repr: Repr::Device(d),
         }
     }
 }
@@ -161,6 +213,8 @@ impl fmt::Debug for Body {
         match &self.repr {
             Repr::Host(b) => write!(f, "Body::Host({} bytes)", b.len()),
             Repr::Leased(b, _) => write!(f, "Body::Leased({} bytes)", b.len()),
+            #[cfg(feature = "cuda")]
+            Repr::Device(d) => write!(f, "Body::Device({} bytes, {:?})", d.len(), d.location()),
         }
     }
 }

@@ -27,8 +27,12 @@ use crate::error::Result;
 
 /// Bits of the fixed header that say what role a message plays.
 ///
-/// Undefined bits are reserved: the wire decoder rejects them, so a new flag is introduced
-/// together with a capability in the handshake.
+/// Undefined bits are reserved: the wire decoder rejects them, so a peer of an older version
+/// refuses a frame with a newer flag with a clear protocol error rather than misreading it.
+///
+/// [`DEVICE`](Flags::DEVICE) and [`MORE`](Flags::MORE) belong to the channel: they carry a
+/// body sent from device memory in pieces (see [`crate::device`]), the receiving channel
+/// puts it back together, and `send` refuses a message that sets them itself.
 #[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Flags(u8);
 
@@ -39,8 +43,16 @@ impl Flags {
     pub const REQUEST: Flags = Flags(0b01);
     /// The message answers the request with the same correlation id.
     pub const RESPONSE: Flags = Flags(0b10);
+    /// The body was sent from device (GPU) memory: this frame announces it, its 8-byte body
+    /// the total length, and the frames that follow carry it in order. Set by the channel.
+    pub const DEVICE: Flags = Flags(0b100);
+    /// More frames of the body announced by a [`DEVICE`](Flags::DEVICE) frame follow this
+    /// one. Set by the channel.
+    pub const MORE: Flags = Flags(0b1000);
+    /// The bits the channel sets and consumes; a message handed to `send` carries none.
+    pub const CHANNEL: Flags = Flags(0b1100);
     /// Every bit defined in this version of the protocol.
-    pub const ALL: Flags = Flags(0b11);
+    pub const ALL: Flags = Flags(0b1111);
 
     /// The raw bits.
     pub const fn bits(self) -> u8 {
@@ -65,6 +77,16 @@ impl Flags {
     pub const fn union(self, other: Flags) -> Flags {
         Flags(self.0 | other.0)
     }
+
+    /// These bits without those of `other`.
+    pub const fn without(self, other: Flags) -> Flags {
+        Flags(self.0 & !other.0)
+    }
+
+    /// True when any bit of `other` is set here.
+    pub const fn intersects(self, other: Flags) -> bool {
+        self.0 & other.0 != 0
+    }
 }
 
 impl std::fmt::Debug for Flags {
@@ -75,6 +97,12 @@ impl std::fmt::Debug for Flags {
         }
         if self.contains(Flags::RESPONSE) {
             names.push("RESPONSE");
+        }
+        if self.contains(Flags::DEVICE) {
+            names.push("DEVICE");
+        }
+        if self.contains(Flags::MORE) {
+            names.push("MORE");
         }
         if names.is_empty() {
             f.write_str("NONE")
@@ -226,8 +254,8 @@ mod tests {
 
     #[test]
     fn flags_reject_reserved_bits() {
-        assert_eq!(Flags::from_bits(0b11), Some(Flags::ALL));
-        assert_eq!(Flags::from_bits(0b100), None);
+        assert_eq!(Flags::from_bits(0b1111), Some(Flags::ALL));
+        assert_eq!(Flags::from_bits(0b1_0000), None);
         assert!(
             Flags::REQUEST
                 .union(Flags::RESPONSE)

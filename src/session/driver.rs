@@ -138,6 +138,7 @@ fn app_channel(raw: &Channel, cfg: &Config) -> (Parts, Unbatcher, Stager, Arc<Sh
         peer_limits: limits,
         peer_identity: info.peer_identity_arc(),
         keepalive: None,
+        setup: crate::transport::ChannelSetup::new(cfg, true),
     };
     (parts, Unbatcher::new(up), Stager::new(down), shared)
 }

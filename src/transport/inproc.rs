@@ -69,6 +69,7 @@ fn parts(out: &Arc<Pipe>, inp: &Arc<Pipe>, cfg: &Config, local: String, peer: St
         peer_limits: cfg.limits,
         peer_identity: None,
         keepalive: None,
+        setup: super::ChannelSetup::new(cfg, true),
     }
 }
 

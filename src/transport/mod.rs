@@ -164,6 +164,9 @@ pub(crate) struct Config {
     /// `tls://`: certificates and trust.
     #[cfg(feature = "tls")]
     pub(crate) tls: Option<tcp::tls::TlsConfig>,
+    /// Where bodies sent from device memory land by default (`ContextBuilder::land_on`).
+    #[cfg(feature = "cuda")]
+    pub(crate) landing: Option<crate::device::Gpu>,
 }
 
 impl Default for Config {
@@ -201,6 +204,8 @@ impl Default for Config {
             session: crate::session::SessionConfig::default(),
             #[cfg(feature = "tls")]
             tls: None,
+            #[cfg(feature = "cuda")]
+            landing: None,
         }
     }
 }
@@ -257,6 +262,44 @@ pub(crate) struct Parts {
     pub(crate) peer_identity: Option<Arc<identity::PeerIdentity>>,
     /// Keeps shared machinery (I/O threads) alive as long as the channel.
     pub(crate) keepalive: Option<Arc<dyn Any + Send + Sync>>,
+    /// What the channel layer above the halves needs.
+    pub(crate) setup: ChannelSetup,
+}
+
+/// What the channel layer needs to know of a connection besides its halves.
+#[derive(Clone, Debug)]
+pub(crate) struct ChannelSetup {
+    /// The halves carry `Message` objects as they are (inproc, a session's application
+    /// end): a device body passes through; elsewhere the channel stages it to host memory.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only device bodies ask
+    pub(crate) moves_objects: bool,
+    /// The largest body this end accepts: a body that arrives in pieces, as a whole.
+    pub(crate) max_body: u64,
+    /// Where bodies sent from device memory land (host memory when `None`).
+    #[cfg(feature = "cuda")]
+    pub(crate) landing: Option<crate::device::Gpu>,
+}
+
+impl ChannelSetup {
+    pub(crate) fn new(cfg: &Config, moves_objects: bool) -> ChannelSetup {
+        ChannelSetup {
+            moves_objects,
+            max_body: cfg.limits.max_body,
+            #[cfg(feature = "cuda")]
+            landing: cfg.landing.clone(),
+        }
+    }
+
+    /// Byte-stream defaults for a connection made outside a context (`rdma::channel_pair`).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn with_max_body(max_body: u64) -> ChannelSetup {
+        ChannelSetup {
+            moves_objects: false,
+            max_body,
+            #[cfg(feature = "cuda")]
+            landing: None,
+        }
+    }
 }
 
 #[cfg(feature = "tcp")] // the only transport that adds to it

@@ -513,7 +513,7 @@ mod tests {
             Err(FrameError::BadKind(9))
         );
         assert_eq!(
-            FrameHead::parse(&head(1, 4, 1, 0, 0, 0), &l),
+            FrameHead::parse(&head(1, 0x10, 1, 0, 0, 0), &l),
             Err(FrameError::Reserved("flags"))
         );
         assert_eq!(

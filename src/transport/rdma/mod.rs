@@ -104,6 +104,8 @@ pub(crate) struct Started {
     sh: Arc<driver::Shared>,
     tx: Box<dyn super::SendHalf>,
     rx: Box<dyn super::RecvHalf>,
+    /// Our own limit on bodies.
+    max_body: u64,
 }
 
 /// Registers and posts a connection's buffers and makes its halves. Two sides in one process
@@ -117,7 +119,12 @@ pub(crate) fn prepare<V: Verbs>(verbs: Arc<V>, cfg: RdmaConfig, peer: String) ->
     let (tx, rx) = driver::halves(sh.clone(), pool, &cfg);
     Ok(Prepared {
         run: Box::pin(drv),
-        started: Started { sh, tx, rx },
+        started: Started {
+            sh,
+            tx,
+            rx,
+            max_body: cfg.limits.max_body,
+        },
     })
 }
 
@@ -147,6 +154,7 @@ pub(crate) async fn finish(
         peer_limits: limits,
         peer_identity: None,
         keepalive: None,
+        setup: crate::transport::ChannelSetup::with_max_body(s.max_body),
     })
 }
 

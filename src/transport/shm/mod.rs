@@ -95,6 +95,7 @@ fn parts(
         peer_limits,
         peer_identity: None,
         keepalive: None,
+        setup: super::ChannelSetup::new(cfg, false),
     }
 }
 

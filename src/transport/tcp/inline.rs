@@ -109,6 +109,7 @@ async fn establish(
         peer_limits,
         peer_identity: None,
         keepalive: None,
+        setup: crate::transport::ChannelSetup::new(cfg, false),
     };
     #[cfg(feature = "tls")]
     if let Some(session) = session {

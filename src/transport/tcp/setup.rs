@@ -210,6 +210,7 @@ pub(super) async fn establish<S: Io>(
         peer_limits,
         peer_identity: None,
         keepalive: None,
+        setup: crate::transport::ChannelSetup::new(cfg, false),
     };
     let driver = conn::drive(conn, stream, leftover, cfg.clone(), live, peer_url);
     Ok((parts, driver))

@@ -1,0 +1,405 @@
+//! Bodies in GPU memory (feature `cuda`): send from device memory, receive into it.
+//!
+//! A [`Gpu`] is a device and the stream its copies run on; a [`DeviceBody`] is device memory
+//! that a [`Message`](crate::Message) carries as its body (`Message::with_body(device_body)`).
+//! What happens to it depends on the channel ([`ChannelInfo::device_path`](crate::ChannelInfo::device_path)):
+//!
+//! | transport | path | what moves |
+//! |---|---|---|
+//! | `inproc://` | `"in-process"` | the `DeviceBody` itself: the receiver gets the same memory |
+//! | `tcp://`, `tls://`, `shm://`, `rdma://` | `"staged"` | the body is copied to pinned host buffers in chunks, each chunk sent while the next is copied |
+//!
+//! A staged body is announced by a frame with [`Flags::DEVICE`](crate::Flags::DEVICE) and sent
+//! in chunks of [`Staging::chunk`] bytes from a pool of [`Staging::buffers`] pinned buffers
+//! per `Gpu` (a bounded pool: a sender waits for a buffer the transport has finished with).
+//! The receiving channel puts the chunks back together: into device memory when its
+//! [`Receiver::land_on`](crate::Receiver::land_on) (or [`ContextBuilder::land_on`](crate::ContextBuilder::land_on))
+//! names a `Gpu`, into one host buffer otherwise, so a handler gets a device body back
+//! without staging by hand.
+//!
+//! Not here yet: CUDA IPC between processes on `shm://` (the body would not leave the GPU)
+//! and GPUDirect RDMA; both are staged today, and `device_path` says so.
+//!
+//! # Without a GPU
+//! libcuda is loaded when first needed: a program built with the feature starts and runs on a
+//! host without it, and [`Gpu::cuda`] returns [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable)
+//! saying what is missing. [`Gpu::stand_in`] is host memory handled as a device — the same
+//! chunking, pool and ordering, copies on a thread of its own — for testing device code on
+//! hosts (and CI runners) without one.
+
+mod cuda;
+mod pool;
+mod stand_in;
+
+use std::any::Any;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use futures_util::task::AtomicWaker;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::message::Location;
+
+pub use cuda::cuda_device_count;
+
+/// Stages `body` through the pipeline a channel uses (chunks copied to the `Gpu`'s pooled
+/// host buffers, `DEPTH` copies in flight) and hands each chunk to `each`, in order: what the
+/// `device` benchmark measures against a plain copy. Not a stable API.
+#[doc(hidden)]
+pub async fn stage_into(
+    body: DeviceBody,
+    each: impl FnMut(Bytes) + Send + Sync + 'static,
+) -> Result<()> {
+    crate::channel::device::drain(body, each).await
+}
+pub(crate) use pool::{Pool, Pooled};
+
+/// How device bodies are staged through host memory on the transports that need it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Staging {
+    /// Bytes per chunk: the unit of each device↔host copy and of each frame. Default 1 MiB.
+    pub chunk: usize,
+    /// Pinned buffers of `chunk` bytes per [`Gpu`], allocated when first needed and kept:
+    /// the most staged bytes in flight. Default 8.
+    pub buffers: usize,
+}
+
+impl Default for Staging {
+    fn default() -> Staging {
+        Staging {
+            chunk: 1 << 20,
+            buffers: 8,
+        }
+    }
+}
+
+/// A device, the stream its copies are ordered on, and its pool of staging buffers. Cheap
+/// to clone (shared).
+#[derive(Clone)]
+pub struct Gpu {
+    inner: Arc<GpuInner>,
+}
+
+struct GpuInner {
+    backend: Arc<dyn Backend>,
+    pool: Arc<Pool>,
+}
+
+impl Gpu {
+    /// The CUDA device `ordinal`, on a stream of its own.
+    ///
+    /// Fails with [`ErrorKind::Unavailable`] when libcuda cannot be loaded, the driver does
+    /// not start, or there is no such device (the error says which; `hf doctor` checks the
+    /// host).
+    pub fn cuda(ordinal: usize) -> Result<Gpu> {
+        Ok(Gpu::new(cuda::open(ordinal)?, Staging::default()))
+    }
+
+    /// Host memory standing in for a device: every device path (chunked staging through a
+    /// bounded pool, landing, ordering) runs as it would on a GPU, with copies done by a
+    /// thread of its own. Bodies report [`Location::StandIn`].
+    pub fn stand_in() -> Gpu {
+        Gpu::new(Arc::new(stand_in::StandIn::new()), Staging::default())
+    }
+
+    /// The same device with another staging configuration (and a pool of its own).
+    ///
+    /// Fails with [`ErrorKind::Config`] when `chunk` or `buffers` is 0.
+    pub fn with_staging(&self, staging: Staging) -> Result<Gpu> {
+        if staging.chunk == 0 || staging.buffers == 0 {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!("staging needs a chunk and a buffer count above 0, got {staging:?}"),
+            ));
+        }
+        Ok(Gpu::new(self.inner.backend.clone(), staging))
+    }
+
+    fn new(backend: Arc<dyn Backend>, staging: Staging) -> Gpu {
+        Gpu {
+            inner: Arc::new(GpuInner {
+                backend,
+                pool: Arc::new(Pool::new(staging)),
+            }),
+        }
+    }
+
+    /// The staging configuration.
+    pub fn staging(&self) -> Staging {
+        self.inner.pool.staging()
+    }
+
+    /// Where bodies of this device live.
+    pub fn location(&self) -> Location {
+        self.inner.backend.location()
+    }
+
+    /// Device memory of `len` bytes (zeroed).
+    pub fn alloc(&self, len: usize) -> Result<DeviceBody> {
+        Ok(DeviceBody {
+            mem: self.inner.backend.alloc(len)?,
+            gpu: self.clone(),
+        })
+    }
+
+    /// Copies `bytes` into new device memory; returns when the copy is complete.
+    pub fn upload(&self, bytes: &[u8]) -> Result<DeviceBody> {
+        let body = self.alloc(bytes.len())?;
+        self.inner.backend.copy_in(&*body.mem, 0, bytes)?;
+        self.inner.backend.finish_copy_in(&*body.mem)?;
+        Ok(body)
+    }
+
+    /// Staging buffers this `Gpu` has allocated, and how many of them are in use now.
+    pub fn staging_in_use(&self) -> (usize, usize) {
+        self.inner.pool.counts()
+    }
+
+    /// Device bodies over CUDA memory that cudarc allocated (on any stream of this device's
+    /// context): kernels write it, the channel sends it.
+    pub fn wrap_cuda(&self, slice: cudarc::driver::CudaSlice<u8>) -> Result<DeviceBody> {
+        Ok(DeviceBody {
+            mem: cuda::wrap(&*self.inner.backend, slice)?,
+            gpu: self.clone(),
+        })
+    }
+
+    pub(crate) fn backend(&self) -> &dyn Backend {
+        &*self.inner.backend
+    }
+
+    pub(crate) fn pool(&self) -> &Arc<Pool> {
+        &self.inner.pool
+    }
+}
+
+impl fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Gpu")
+            .field("device", &self.inner.backend.describe())
+            .field("staging", &self.staging())
+            .finish()
+    }
+}
+
+/// Device memory carried as a message body. Cloning shares the memory.
+#[derive(Clone)]
+pub struct DeviceBody {
+    mem: Arc<dyn Mem>,
+    gpu: Gpu,
+}
+
+impl DeviceBody {
+    /// The length in bytes.
+    pub fn len(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// True when the body is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Where the memory is.
+    pub fn location(&self) -> Location {
+        self.gpu.location()
+    }
+
+    /// The device it is on.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// Copies the body to host memory; returns when the copy is complete.
+    pub fn to_host(&self) -> Result<Bytes> {
+        let mut out = vec![0u8; self.len()];
+        self.gpu.backend().copy_out_blocking(&self.mem, &mut out)?;
+        Ok(Bytes::from(out))
+    }
+
+    /// The cudarc slice, when the body is CUDA memory: to launch kernels on it.
+    pub fn as_cuda(&self) -> Option<&cudarc::driver::CudaSlice<u8>> {
+        cuda::slice_of(&*self.mem)
+    }
+
+    /// True when both are the same device memory.
+    pub fn same_memory(&self, other: &DeviceBody) -> bool {
+        Arc::ptr_eq(&self.mem, &other.mem)
+    }
+
+    pub(crate) fn mem(&self) -> &Arc<dyn Mem> {
+        &self.mem
+    }
+}
+
+impl fmt::Debug for DeviceBody {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DeviceBody({} bytes, {:?})", self.len(), self.location())
+    }
+}
+
+/// Device memory of one backend.
+pub(crate) trait Mem: Send + Sync + 'static {
+    fn len(&self) -> usize;
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// Host memory a backend allocates for staging (pinned on CUDA). Its bytes are written by
+/// the device's copy engine through [`as_ptr`](HostMem::as_ptr) and read after that copy is
+/// complete.
+pub(crate) trait HostMem: Send + Sync + 'static {
+    fn as_ptr(&self) -> *mut u8;
+    fn len(&self) -> usize;
+}
+
+/// What a device does for the channel: allocate, and copy in both directions.
+pub(crate) trait Backend: Send + Sync + 'static {
+    fn location(&self) -> Location;
+    fn describe(&self) -> String;
+    fn alloc(&self, len: usize) -> Result<Arc<dyn Mem>>;
+    fn alloc_host(&self, len: usize) -> Result<Box<dyn HostMem>>;
+    /// Starts copying `len` bytes at `offset` of `src` to `dst`, in stream order after the
+    /// copies started before; `done` is completed (from any thread) when they are there.
+    ///
+    /// # Safety
+    /// `dst` is valid for writes of `len` bytes, and neither read nor freed until `done` is
+    /// complete.
+    unsafe fn start_copy_out(
+        &self,
+        src: &Arc<dyn Mem>,
+        offset: usize,
+        dst: *mut u8,
+        len: usize,
+        done: Arc<Done>,
+    ) -> Result<()>;
+    /// Copies `src` to `dst` at `offset`; `src` may be reused on return (the copy to the
+    /// device may still be in flight: [`finish_copy_in`](Backend::finish_copy_in) waits).
+    fn copy_in(&self, dst: &dyn Mem, offset: usize, src: &[u8]) -> Result<()>;
+    /// Waits until the copies into `dst` are complete.
+    fn finish_copy_in(&self, dst: &dyn Mem) -> Result<()>;
+
+    /// Copies all of `src` to `out` and waits.
+    fn copy_out_blocking(&self, src: &Arc<dyn Mem>, out: &mut [u8]) -> Result<()> {
+        if out.is_empty() {
+            return Ok(());
+        }
+        let done = Arc::new(Done::default());
+        // SAFETY: `out` is valid for its length and is neither read nor dropped before
+        // `done` completes: `wait` below blocks until then.
+        unsafe { self.start_copy_out(src, 0, out.as_mut_ptr(), out.len(), done.clone())? };
+        done.wait()
+    }
+}
+
+/// The completion of a copy, signalled from the thread that finished it.
+#[derive(Default)]
+pub(crate) struct Done {
+    flag: AtomicBool,
+    waker: AtomicWaker,
+    error: Mutex<Option<String>>,
+    blocked: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Done {
+    pub(crate) fn complete(&self, error: Option<String>) {
+        if error.is_some() {
+            *self.error.lock().expect("not poisoned") = error;
+        }
+        self.flag.store(true, Ordering::Release);
+        *self.blocked.lock().expect("not poisoned") = true;
+        self.cv.notify_all();
+        self.waker.wake();
+    }
+
+    fn is_done(&self) -> bool {
+        self.flag.load(Ordering::Acquire)
+    }
+
+    fn result(&self) -> Result<()> {
+        match self.error.lock().expect("not poisoned").take() {
+            Some(e) => Err(Error::new(
+                ErrorKind::Io,
+                format!("device copy failed: {e}"),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    fn poll(&self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        if !self.is_done() {
+            self.waker.register(cx.waker());
+            if !self.is_done() {
+                return Poll::Pending;
+            }
+        }
+        Poll::Ready(self.result())
+    }
+
+    pub(crate) fn wait(&self) -> Result<()> {
+        let mut done = self.blocked.lock().expect("not poisoned");
+        while !*done {
+            done = self.cv.wait(done).expect("not poisoned");
+        }
+        drop(done);
+        self.result()
+    }
+}
+
+/// A copy to a staging buffer in flight: the buffer comes back when it is complete.
+pub(crate) struct Ticket {
+    buf: Option<Pooled>,
+    done: Arc<Done>,
+    /// The source stays allocated until the copy is complete.
+    _src: Arc<dyn Mem>,
+}
+
+impl Ticket {
+    /// Starts copying `len` bytes at `offset` of `body` into `buf`.
+    pub(crate) fn start(
+        body: &DeviceBody,
+        offset: usize,
+        mut buf: Pooled,
+        len: usize,
+    ) -> Result<Ticket> {
+        buf.set_len(len);
+        let done = Arc::new(Done::default());
+        // SAFETY: `buf` holds at least `len` bytes (`set_len` checks) and is owned by the
+        // ticket, which neither reads nor frees it before `done` completes: `poll` hands it
+        // out only then, and `drop` waits for it.
+        unsafe {
+            body.gpu.backend().start_copy_out(
+                body.mem(),
+                offset,
+                buf.as_mut_ptr(),
+                len,
+                done.clone(),
+            )?
+        };
+        Ok(Ticket {
+            buf: Some(buf),
+            done,
+            _src: body.mem().clone(),
+        })
+    }
+
+    /// The filled buffer, once the copy is complete.
+    pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<Pooled>> {
+        match self.done.poll(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(r) => Poll::Ready(r.map(|()| self.buf.take().expect("polled once"))),
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.buf.is_some() && !self.done.is_done() {
+            // The copy engine may still write into the buffer: wait before it is reused.
+            let _ = self.done.wait();
+        }
+    }
+}
