@@ -56,7 +56,9 @@ pub enum ErrorKind {
     /// The transport or engine is not available on this host (for example io_uring forced
     /// with `HYPERFRAMES_IO=uring` where the kernel refuses it).
     Unavailable,
-    /// [`Sender::reunite`](crate::Sender::reunite) was given halves of two different channels.
+    /// Things that must belong together do not: [`Sender::reunite`](crate::Sender::reunite)
+    /// given halves of two different channels, a device body given to another device, a
+    /// message whose header sets the flags the channel reserves ([`Flags::CHANNEL`](crate::Flags::CHANNEL)).
     Mismatch,
     /// A configuration value is out of range.
     Config,

@@ -66,6 +66,8 @@
 //! * [`middleware`] (feature `tower`, on by default) — everything message-shaped as a
 //!   `tower::Service<Message>`: type filters, metadata schemas, a router, `serve` for
 //!   listeners, a request/response `Client`, fan-out and fan-in.
+//! * `device` (feature `cuda`) — bodies in GPU memory: `Gpu`, `DeviceBody`, how each
+//!   transport carries them, and a host stand-in for testing without a GPU.
 //! * the transports, private, each behind the same two traits.
 
 #![warn(missing_docs)]

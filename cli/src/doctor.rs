@@ -23,7 +23,8 @@ pub(crate) const AFTER_HELP: &str = "\
 Checks, in order: io_uring (probed with a loopback tcp:// connection), memlock, rdma, uverbs,
 cuda, gpu, gpudirect, numa, mtu, cpu_governor, thp, hugepages, net.core.rmem_max,
 net.core.wmem_max, net.ipv4.tcp_rmem, net.ipv4.tcp_wmem, shm (probed with a loopback shm://
-connection), dev_shm. Some checks give one finding per device, port or interface.
+connection), dev_shm, cuda_driver (hyperframes' own CUDA entry point, in a build with feature
+`cuda`). Some checks give one finding per device, port or interface.
 
 Status: ok (good for speed), warn (costs speed or breaks a transport; a fix follows),
 info (worth knowing; a fix may follow), absent (the hardware or software is not there),
@@ -35,7 +36,7 @@ there is nothing to do).";
 
 /// Every check, in report order; each gives at least one finding.
 #[cfg(test)]
-const CHECKS: [&str; 18] = [
+const CHECKS: [&str; 19] = [
     "io_uring",
     "memlock",
     "rdma",
@@ -54,6 +55,7 @@ const CHECKS: [&str; 18] = [
     "net.ipv4.tcp_wmem",
     "shm",
     "dev_shm",
+    "cuda_driver",
 ];
 
 /// Arguments of `hf doctor`.
@@ -174,6 +176,7 @@ pub(crate) async fn run(args: DoctorArgs) -> Result<(), Failure> {
     findings.extend(survey(&host, &env));
     findings.push(check_shm(&host, &env, probe_shm().await));
     findings.push(check_dev_shm(&host));
+    findings.push(check_cuda_driver(probe_cuda()));
     let text = if args.json {
         findings.iter().map(|f| f.json() + "\n").collect()
     } else {
@@ -1027,6 +1030,45 @@ fn check_cuda(host: &Host, gpus: &[Gpu], env: &Env) -> Finding {
             "no NVIDIA GPU on the PCI bus, no NVIDIA driver, no libcuda.so.1: device bodies \
              (feature `cuda`) cannot run here",
         ),
+    }
+}
+
+/// What hyperframes itself gets from the CUDA driver (the entry point device bodies use):
+/// `None` in a build of hf without feature `cuda`.
+fn probe_cuda() -> Option<Result<usize, String>> {
+    #[cfg(feature = "cuda")]
+    {
+        Some(hyperframes::device::cuda_device_count().map_err(|e| e.to_string()))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        None
+    }
+}
+
+fn check_cuda_driver(probe: Option<Result<usize, String>>) -> Finding {
+    const CHECK: &str = "cuda_driver";
+    match probe {
+        None => Finding::new(
+            CHECK,
+            Status::Info,
+            "device bodies are not in this build of hf (feature `cuda`): not probed",
+        )
+        .fix("cargo install hyperframes-cli --features cuda"),
+        Some(Ok(0)) => Finding::new(
+            CHECK,
+            Status::Absent,
+            "hyperframes started the CUDA driver, which reports no device",
+        ),
+        Some(Ok(n)) => Finding::new(
+            CHECK,
+            Status::Ok,
+            format!("hyperframes started the CUDA driver: {n} device(s) for device bodies"),
+        ),
+        Some(Err(e)) => {
+            let e = e.replace(" (run `hf doctor` to check this host)", "");
+            Finding::new(CHECK, Status::Absent, format!("hyperframes: {e}"))
+        }
     }
 }
 
@@ -2427,7 +2469,7 @@ mod tests {
             let findings = survey(&fake.host(), &Env::default());
             for check in CHECKS
                 .iter()
-                .filter(|c| !["io_uring", "shm", "dev_shm"].contains(c))
+                .filter(|c| !["io_uring", "shm", "dev_shm", "cuda_driver"].contains(c))
             {
                 assert!(
                     findings.iter().any(|f| f.check == *check),
@@ -2441,13 +2483,29 @@ mod tests {
     }
 
     #[test]
+    fn cuda_driver_probe_findings() {
+        let f = check_cuda_driver(None);
+        assert_eq!(f.status, Status::Info);
+        assert!(f.fix.as_deref().unwrap().contains("--features cuda"));
+        assert_eq!(check_cuda_driver(Some(Ok(0))).status, Status::Absent);
+        let f = check_cuda_driver(Some(Ok(2)));
+        assert_eq!(f.status, Status::Ok);
+        assert!(f.found.contains("2 device(s)"), "{}", f.found);
+        let f = check_cuda_driver(Some(Err("CUDA is not available: libcuda.so".into())));
+        assert_eq!(f.status, Status::Absent);
+        assert!(f.found.contains("libcuda"), "{}", f.found);
+        // In this build, against this host: whatever it finds, it says something.
+        assert!(!check_cuda_driver(probe_cuda()).found.is_empty());
+    }
+
+    #[test]
     fn every_check_answers_on_an_empty_host() {
         let findings = survey(&Fake::new().host(), &Env::default());
         let names: Vec<_> = findings.iter().map(|f| f.check).collect();
         let expected: Vec<_> = CHECKS
             .iter()
             .copied()
-            .filter(|c| !["io_uring", "shm", "dev_shm"].contains(c))
+            .filter(|c| !["io_uring", "shm", "dev_shm", "cuda_driver"].contains(c))
             .collect();
         assert_eq!(names, expected);
         for check in CHECKS {

@@ -785,7 +785,7 @@ fn usage_and_help() {
 }
 
 /// Every check `hf doctor` runs, in its order.
-const DOCTOR_CHECKS: [&str; 18] = [
+const DOCTOR_CHECKS: [&str; 19] = [
     "io_uring",
     "memlock",
     "rdma",
@@ -804,6 +804,7 @@ const DOCTOR_CHECKS: [&str; 18] = [
     "net.ipv4.tcp_wmem",
     "shm",
     "dev_shm",
+    "cuda_driver",
 ];
 
 const DOCTOR_STATUSES: [&str; 5] = ["ok", "warn", "info", "absent", "error"];

@@ -350,7 +350,9 @@ impl Sender {
 
     /// Hands `msg` over if there is room now; otherwise fails with [`ErrorKind::Full`] and the
     /// message in [`Error::take_message`]. For producers that would rather drop (and count)
-    /// than wait.
+    /// than wait. A body in device memory that the channel stages is announced here and its
+    /// pieces follow at the next calls on this `Sender` (while they do, `try_send` is
+    /// [`ErrorKind::Full`]).
     pub fn try_send(&mut self, msg: Message) -> Result<()> {
         let mut cx = TaskContext::from_waker(noop_waker_ref());
         match self.poll_ready_inner(&mut cx) {

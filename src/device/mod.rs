@@ -22,7 +22,7 @@
 //!
 //! # Without a GPU
 //! libcuda is loaded when first needed: a program built with the feature starts and runs on a
-//! host without it, and [`Gpu::cuda`] returns [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable)
+//! host without it, and [`Gpu::cuda`] returns [`ErrorKind::Unavailable`]
 //! saying what is missing. [`Gpu::stand_in`] is host memory handled as a device — the same
 //! chunking, pool and ordering, copies on a thread of its own — for testing device code on
 //! hosts (and CI runners) without one.

@@ -31,7 +31,7 @@ use crate::error::Result;
 /// refuses a frame with a newer flag with a clear protocol error rather than misreading it.
 ///
 /// [`DEVICE`](Flags::DEVICE) and [`MORE`](Flags::MORE) belong to the channel: they carry a
-/// body sent from device memory in pieces (see [`crate::device`]), the receiving channel
+/// body sent from device memory in pieces (see the `device` module, feature `cuda`), the receiving channel
 /// puts it back together, and `send` refuses a message that sets them itself.
 #[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Flags(u8);
