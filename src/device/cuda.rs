@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DriverError, result, sys};
 
-use super::{Backend, Done, HostMem, Mem};
+use super::{Backend, Done, HostMem, Mem, check_range};
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::Location;
 
@@ -104,6 +104,13 @@ pub(super) fn wrap(backend: &dyn Backend, slice: CudaSlice<u8>) -> Result<Arc<dy
     }
 }
 
+fn bind(stream: &CudaStream) -> Result<()> {
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| failed("binding the context", e))
+}
+
 fn mine(mem: &dyn Mem) -> Result<&CudaMem> {
     mem.as_any().downcast_ref::<CudaMem>().ok_or_else(|| {
         Error::new(
@@ -111,16 +118,6 @@ fn mine(mem: &dyn Mem) -> Result<&CudaMem> {
             "a device body of another device was given to a CUDA device",
         )
     })
-}
-
-fn check_range(offset: usize, len: usize, total: usize) -> Result<()> {
-    if offset.checked_add(len).is_none_or(|end| end > total) {
-        return Err(Error::new(
-            ErrorKind::LimitExceeded,
-            format!("a copy of {len} bytes at {offset} is outside a device body of {total}"),
-        ));
-    }
-    Ok(())
 }
 
 /// Completes the `Done` given to `cuLaunchHostFunc`. It runs on a driver thread and calls
@@ -174,8 +171,10 @@ impl Backend for Cuda {
     ) -> Result<()> {
         let m = mine(&**src)?;
         check_range(offset, len, m.slice.len())?;
-        // The copy goes on the body's own stream: after whatever wrote it there.
+        // The copy goes on the body's own stream: after whatever wrote it there. The raw
+        // calls below need its context current on this thread.
         let stream = m.slice.stream();
+        bind(stream)?;
         let (ptr, _record) = m.slice.device_ptr(stream);
         // SAFETY: the caller keeps `dst` valid for `len` bytes and untouched until `done`
         // completes, which the host function queued after the copy does; the range of the
@@ -207,6 +206,7 @@ impl Backend for Cuda {
         let m = mine(dst)?;
         check_range(offset, src.len(), m.slice.len())?;
         let stream = m.slice.stream();
+        bind(stream)?;
         let (ptr, _record) = m.slice.device_ptr(stream);
         // SAFETY: the range was checked; from pageable memory the driver has taken `src`
         // when the call returns, and `finish_copy_in` waits for the copy to land.

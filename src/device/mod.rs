@@ -158,8 +158,9 @@ impl Gpu {
         self.inner.pool.counts()
     }
 
-    /// Device bodies over CUDA memory that cudarc allocated (on any stream of this device's
-    /// context): kernels write it, the channel sends it.
+    /// A device body over CUDA memory that cudarc allocated on this device (on any of its
+    /// streams: copies of the body are queued on that stream, after what wrote it there).
+    /// Fails with [`ErrorKind::Mismatch`] for memory of another device or the stand-in.
     pub fn wrap_cuda(&self, slice: cudarc::driver::CudaSlice<u8>) -> Result<DeviceBody> {
         Ok(DeviceBody {
             mem: cuda::wrap(&*self.inner.backend, slice)?,
@@ -292,6 +293,17 @@ pub(crate) trait Backend: Send + Sync + 'static {
         unsafe { self.start_copy_out(src, 0, out.as_mut_ptr(), out.len(), done.clone())? };
         done.wait()
     }
+}
+
+/// Checks that a copy of `len` bytes at `offset` lies within a body of `total`.
+fn check_range(offset: usize, len: usize, total: usize) -> Result<()> {
+    if offset.checked_add(len).is_none_or(|end| end > total) {
+        return Err(Error::new(
+            ErrorKind::LimitExceeded,
+            format!("a copy of {len} bytes at {offset} is outside a device body of {total}"),
+        ));
+    }
+    Ok(())
 }
 
 /// The completion of a copy, signalled from the thread that finished it.

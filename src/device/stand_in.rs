@@ -5,7 +5,7 @@ use std::any::Any;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::{Backend, Done, HostMem, Mem};
+use super::{Backend, Done, HostMem, Mem, check_range};
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::Location;
 
@@ -93,16 +93,6 @@ fn mine(mem: &dyn Mem) -> Result<&Memory> {
     })
 }
 
-fn check_range(what: &str, offset: usize, len: usize, total: usize) -> Result<()> {
-    if offset.checked_add(len).is_none_or(|end| end > total) {
-        return Err(Error::new(
-            ErrorKind::LimitExceeded,
-            format!("{what} of {len} bytes at {offset} is outside a device body of {total}"),
-        ));
-    }
-    Ok(())
-}
-
 impl Backend for StandIn {
     fn location(&self) -> Location {
         Location::StandIn
@@ -131,7 +121,7 @@ impl Backend for StandIn {
         done: Arc<Done>,
     ) -> Result<()> {
         mine(&**src)?;
-        check_range("a copy", offset, len, src.len())?;
+        check_range(offset, len, src.len())?;
         let job = Job {
             src: src.clone(),
             offset,
@@ -150,7 +140,7 @@ impl Backend for StandIn {
     fn copy_in(&self, dst: &dyn Mem, offset: usize, src: &[u8]) -> Result<()> {
         let dst = mine(dst)?;
         let mut bytes = dst.bytes.lock().expect("not poisoned");
-        check_range("a copy", offset, src.len(), bytes.len())?;
+        check_range(offset, src.len(), bytes.len())?;
         bytes[offset..offset + src.len()].copy_from_slice(src);
         Ok(())
     }
