@@ -475,12 +475,31 @@ impl Receiver {
         poll_fn(|cx| self.poll_recv_inner(cx)).await
     }
 
+    #[inline]
     fn poll_recv_inner(&mut self, cx: &mut TaskContext<'_>) -> Poll<Option<Result<Message>>> {
+        match self.half.poll_recv(cx) {
+            Poll::Ready(Some(Ok(m))) if self.asm.passes(&m) => Poll::Ready(Some(Ok(m))),
+            Poll::Pending => Poll::Pending,
+            other => self.assemble(other, cx),
+        }
+    }
+
+    /// Everything but an ordinary message: pieces of a body sent from device memory, the
+    /// end of the stream, errors.
+    #[cold]
+    fn assemble(
+        &mut self,
+        mut next: Poll<Option<Result<Message>>>,
+        cx: &mut TaskContext<'_>,
+    ) -> Poll<Option<Result<Message>>> {
         loop {
-            let m = match std::task::ready!(self.half.poll_recv(cx)) {
-                Some(Ok(m)) => m,
-                Some(Err(e)) => return Poll::Ready(Some(Err(self.asm.end().unwrap_or(e)))),
-                None => return Poll::Ready(self.asm.end().map(Err)),
+            let m = match next {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(m))) => m,
+                Poll::Ready(Some(Err(e))) => {
+                    return Poll::Ready(Some(Err(self.asm.end().unwrap_or(e))));
+                }
+                Poll::Ready(None) => return Poll::Ready(self.asm.end().map(Err)),
             };
             if self.asm.passes(&m) {
                 return Poll::Ready(Some(Ok(m)));
@@ -494,6 +513,7 @@ impl Receiver {
                     return Poll::Ready(Some(Err(e)));
                 }
             }
+            next = self.half.poll_recv(cx);
         }
     }
 
