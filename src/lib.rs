@@ -136,8 +136,8 @@ pub mod rdma {
 }
 
 pub use channel::{
-    Channel, ChannelInfo, Context, ContextBuilder, IoEngine, Listener, Receiver, ReuniteError,
-    Sender,
+    Channel, ChannelInfo, Context, ContextBuilder, ContextStats, IoEngine, Listener, Receiver,
+    ReuniteError, Sender,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use message::{Body, BodyMut, Flags, Header, Location, Message, Meta, MsgType};

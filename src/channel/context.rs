@@ -89,7 +89,7 @@ impl Context {
         policy: crate::session::Reconnect,
     ) -> Result<Channel> {
         let ep = Endpoint::parse(url)?;
-        crate::session::connect(self.inner.clone(), ep, policy).await
+        crate::session::connect(self.inner.for_sessions(), ep, policy).await
     }
 
     /// Listens at `url` for [sessions](crate::session) (peers that call
@@ -99,7 +99,7 @@ impl Context {
     /// Must be called inside a tokio runtime, which drives the sessions.
     pub async fn bind_sessions(&self, url: &str) -> Result<Listener> {
         let ep = Endpoint::parse(url)?;
-        crate::session::bind(&self.inner, &ep).await
+        crate::session::bind(&self.inner.for_sessions(), &ep).await
     }
 
     /// The limits this context enforces on what it receives (and advertises to peers).
@@ -113,6 +113,49 @@ impl Context {
     pub fn io_engine(&self) -> Option<IoEngine> {
         self.inner.tcp_engine()
     }
+
+    /// What this context's channels lost when they ended, counted since it was made: the
+    /// way to learn what a dropped [`Sender`](crate::Sender) or
+    /// [`Receiver`](crate::Receiver) left behind, which no call can return.
+    pub fn stats(&self) -> ContextStats {
+        let (unsent, unread) = self.inner.config().count.read();
+        ContextStats { unsent, unread }
+    }
+}
+
+/// Counters of a [`Context`], from [`Context::stats`].
+///
+/// A `Sender` dropped with messages still queued goes on delivering them in the background
+/// for the context's [`linger`](ContextBuilder::linger) (5 s) once the channel's other half
+/// is gone too (shm: from the drop of the Sender); a connection that fails ends that early.
+/// On the I/O-thread engines of tcp ([`IoEngine::Uring`], [`IoEngine::Epoll`]) a dropped
+/// channel's connection goes on writing until it fails or the context is dropped, and
+/// `linger` bounds only the latter. What could not be delivered then is counted here (and logged at `warn`).
+/// Closing with [`Sender::close`](crate::Sender::close) instead reports the failure to the
+/// caller.
+///
+/// The counts are of messages not handed over to the peer's side: written to its socket
+/// (tcp, tls) or its ring (shm). A message that was may still be lost with a peer that dies
+/// before reading it; only [sessions](crate::session) acknowledge delivery. The connections
+/// under a session do not count here: the session resends what they did not deliver, and
+/// counts in `unsent` only what it gives up on once its Sender is gone (nobody can
+/// [take it back](crate::Sender::take_unacknowledged)).
+///
+/// Where each transport counts:
+///
+/// | | tcp, tls | shm | inproc | rdma |
+/// |---|---|---|---|---|
+/// | `unsent` | yes | yes | never any: a dropped Sender's messages stay queued for the Receiver | not yet |
+/// | `unread` | yes | no: what is left in the ring when the Receiver goes is not counted (the peer's Sender fails with `STOP`) | yes | not yet |
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ContextStats {
+    /// Messages a `send`, `feed` or `try_send` accepted that were never handed over (all of
+    /// their bytes, on tcp: on the I/O thread engines, a message of a write the kernel took
+    /// only part of counts, although the peer may get it).
+    pub unsent: u64,
+    /// Messages that arrived for a Receiver already dropped, read and discarded.
+    pub unread: u64,
 }
 
 impl std::fmt::Debug for Context {
@@ -319,8 +362,11 @@ impl ContextBuilder {
         self
     }
 
-    /// How long I/O threads keep flushing closed channels after the last user of the
-    /// context is gone. Default 5 s.
+    /// How long a dropped channel goes on delivering what its Sender left, in the
+    /// background: on inline tcp and tls once both halves are gone, on shm from the Sender's
+    /// drop, for a session once both halves are gone and it has no connection; the tcp I/O
+    /// threads keep flushing for this long after the last user of the context is gone.
+    /// What is still undelivered then is counted in [`Context::stats`]. Default 5 s.
     pub fn linger(mut self, d: Duration) -> Self {
         self.cfg.linger = d;
         self

@@ -6,7 +6,7 @@ mod context;
 pub(crate) mod device;
 mod listener;
 
-pub use context::{Context, ContextBuilder};
+pub use context::{Context, ContextBuilder, ContextStats};
 pub use listener::Listener;
 
 use std::any::Any;

@@ -24,7 +24,7 @@ use super::proto::{self, Control, Hello};
 use super::{Reconnect, SessionConfig, random_u64};
 use crate::error::Result;
 use crate::transport::pipe::{Pipe, Stager, Unbatcher};
-use crate::transport::{Config, Parts, Transports};
+use crate::transport::{Config, Count, Parts, Transports};
 use crate::url::Endpoint;
 use crate::{Channel, Error, ErrorKind, Flags, Message};
 
@@ -107,6 +107,8 @@ pub(crate) struct Driver {
     /// trying to deliver what is left (the context's `linger`).
     orphaned: Option<Pin<Box<Sleep>>>,
     linger: Duration,
+    /// Where a session that gives up with its Sender gone counts what it drops.
+    count: Count,
     finished: bool,
 }
 
@@ -274,6 +276,7 @@ impl Driver {
             duplicates: 0,
             orphaned: None,
             linger: cfg.linger,
+            count: cfg.count.clone(),
             finished: false,
         }
     }
@@ -629,6 +632,10 @@ impl Driver {
     /// acknowledged goes back to the application.
     fn fail(&mut self, err: Error) {
         let unacked = self.take_unacked_out();
+        if self.up.pipe().is_tx_closed() {
+            // Nobody can take them back: they are lost, and counted.
+            self.count.session_unsent(unacked.len() as u64);
+        }
         self.held.clear();
         self.shared.fail(err, unacked);
         self.up.close();

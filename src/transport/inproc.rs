@@ -15,7 +15,7 @@ use std::task::{Context, Poll};
 
 use super::names::Names;
 use super::pipe::{Pipe, Stager, Unbatcher};
-use super::{AcceptHalf, Config, Parts, RecvHalf, SPIN, SendHalf, spin_until};
+use super::{AcceptHalf, Config, Count, Parts, RecvHalf, SPIN, SendHalf, spin_until};
 use crate::error::Result;
 use crate::{Error, ErrorKind, Message};
 
@@ -62,6 +62,7 @@ fn parts(out: &Arc<Pipe>, inp: &Arc<Pipe>, cfg: &Config, local: String, peer: St
         rx: Box::new(InprocReceiver {
             inp: Unbatcher::new(inp.clone()),
             busy_poll: cfg.busy_poll,
+            count: cfg.count.clone(),
         }),
         transport: "inproc",
         local,
@@ -142,6 +143,7 @@ impl SendHalf for InprocSender {
 struct InprocReceiver {
     inp: Unbatcher,
     busy_poll: bool,
+    count: Count,
 }
 
 impl InprocReceiver {
@@ -168,6 +170,7 @@ impl Drop for InprocReceiver {
     fn drop(&mut self) {
         let left = self.inp.pipe().len() + self.inp.buffered() as u64;
         if left > 0 {
+            self.count.unread(left);
             tracing::debug!(
                 messages = left,
                 "inproc receiver dropped with messages queued"

@@ -7,6 +7,7 @@
 
 use std::any::Any;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -167,6 +168,8 @@ pub(crate) struct Config {
     /// Where bodies sent from device memory land by default (`ContextBuilder::land_on`).
     #[cfg(feature = "cuda")]
     pub(crate) landing: Option<crate::device::Gpu>,
+    /// The context's counters of messages lost to a channel's end (`Context::stats`).
+    pub(crate) count: Count,
 }
 
 impl Default for Config {
@@ -206,7 +209,82 @@ impl Default for Config {
             tls: None,
             #[cfg(feature = "cuda")]
             landing: None,
+            count: Count::default(),
         }
+    }
+}
+
+/// What a context counts across all its channels: messages that ended with a connection
+/// instead of reaching the other side (read by [`Context::stats`](crate::Context::stats)).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    unsent: AtomicU64,
+    unread: AtomicU64,
+}
+
+/// A connection's handle on its context's [`Counters`]. The connections under a session
+/// do not count: the session resends what they did not deliver and counts, itself, only
+/// what it gives up on.
+#[derive(Clone, Debug)]
+pub(crate) struct Count {
+    to: Arc<Counters>,
+    #[cfg_attr(
+        not(any(feature = "tcp", feature = "shm", feature = "inproc")),
+        allow(dead_code)
+    )]
+    connections: bool,
+}
+
+impl Default for Count {
+    fn default() -> Count {
+        Count {
+            to: Arc::new(Counters::default()),
+            connections: true,
+        }
+    }
+}
+
+impl Count {
+    /// The same counters, not counted into by connections (those under sessions).
+    pub(crate) fn for_sessions(&self) -> Count {
+        self.muted()
+    }
+
+    /// The same counters, in which this connection counts nothing more (it has counted).
+    pub(crate) fn muted(&self) -> Count {
+        Count {
+            to: self.to.clone(),
+            connections: false,
+        }
+    }
+
+    /// `n` messages a Sender had accepted were never handed over to the peer: the
+    /// connection failed, or the Sender was dropped and `linger` ran out first.
+    #[cfg_attr(not(any(feature = "tcp", feature = "shm")), allow(dead_code))]
+    pub(crate) fn unsent(&self, n: u64) {
+        if n > 0 && self.connections {
+            self.to.unsent.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// `n` messages arrived after the Receiver was dropped and were discarded.
+    #[cfg_attr(not(any(feature = "tcp", feature = "inproc")), allow(dead_code))]
+    pub(crate) fn unread(&self, n: u64) {
+        if n > 0 && self.connections {
+            self.to.unread.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// `n` messages a session gave up on with nobody left to hand them back to.
+    pub(crate) fn session_unsent(&self, n: u64) {
+        self.to.unsent.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub(crate) fn read(&self) -> (u64, u64) {
+        (
+            self.to.unsent.load(Ordering::Relaxed),
+            self.to.unread.load(Ordering::Relaxed),
+        )
     }
 }
 
@@ -322,6 +400,10 @@ pub(crate) struct Transports {
     tcp: tcp::Tcp,
     #[cfg(feature = "rdma")]
     rdma_sim: Arc<rdma::SimRegistry>,
+    /// The same transports for the connections under sessions (made on first use): they
+    /// share the names and counters, but their connections do not count what the session
+    /// resends.
+    sessions: std::sync::OnceLock<Arc<Transports>>,
 }
 
 impl Transports {
@@ -334,7 +416,30 @@ impl Transports {
             #[cfg(feature = "rdma")]
             rdma_sim: Arc::new(rdma::SimRegistry::new(cfg.clone())),
             cfg,
+            sessions: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The transports sessions make their connections with.
+    pub(crate) fn for_sessions(&self) -> Arc<Transports> {
+        self.sessions
+            .get_or_init(|| {
+                let cfg = Config {
+                    count: self.cfg.count.for_sessions(),
+                    ..self.cfg.clone()
+                };
+                Arc::new(Transports {
+                    #[cfg(feature = "inproc")]
+                    inproc: self.inproc.clone(),
+                    #[cfg(feature = "tcp")]
+                    tcp: tcp::Tcp::new(cfg.clone()),
+                    #[cfg(feature = "rdma")]
+                    rdma_sim: self.rdma_sim.clone(),
+                    cfg,
+                    sessions: std::sync::OnceLock::new(),
+                })
+            })
+            .clone()
     }
 
     pub(crate) fn config(&self) -> &Config {
@@ -344,7 +449,10 @@ impl Transports {
     /// The engine `tcp://` runs on, once it has started.
     pub(crate) fn tcp_engine(&self) -> Option<IoEngine> {
         #[cfg(feature = "tcp")]
-        return self.tcp.engine();
+        return self
+            .tcp
+            .engine()
+            .or_else(|| self.sessions.get().and_then(|s| s.tcp.engine()));
         #[cfg(not(feature = "tcp"))]
         None
     }

@@ -44,7 +44,7 @@ use super::segment::{Mapping, Segment, ShmArena, ShmRing};
 use crate::error::Result;
 use crate::message::{Body, BodyMut, Header, LeaseTag, LentMut};
 use crate::transport::heartbeat::{Liveness, Tick};
-use crate::transport::{RecvHalf, SPIN, SendHalf, spin_until};
+use crate::transport::{Count, RecvHalf, SPIN, SendHalf, spin_until};
 use crate::wire::{Limits, TypeCache};
 use crate::{Error, ErrorKind, Message};
 
@@ -406,10 +406,12 @@ pub(crate) struct ShmSender {
     linger: Option<Duration>,
     /// An empty stand-in left behind by `detach`: its drop does nothing.
     detached: bool,
+    /// Where a dropped sender counts what it could not deliver.
+    count: Count,
 }
 
 impl ShmSender {
-    pub(crate) fn new(sh: Arc<Shared>, linger: Duration) -> ShmSender {
+    pub(crate) fn new(sh: Arc<Shared>, linger: Duration, count: Count) -> ShmSender {
         let refs = sh.seg.arena(sh.out_dir);
         ShmSender {
             ring: ring::Producer::new(sh.out_ring()),
@@ -424,6 +426,7 @@ impl ShmSender {
             closed: false,
             linger: Some(linger),
             detached: false,
+            count,
         }
     }
 
@@ -749,6 +752,7 @@ impl ShmSender {
             closed: true,
             linger: None,
             detached: true,
+            count: self.count.clone(),
         };
         let mut moved = std::mem::replace(self, stand_in);
         moved.linger = None;
@@ -871,6 +875,7 @@ impl Drop for ShmSender {
             Poll::Ready(Ok(())) => false,
             Poll::Ready(Err(e)) => {
                 if !self.staged.is_empty() {
+                    self.count.unsent(self.staged.len() as u64);
                     tracing::warn!(
                         messages = self.staged.len(),
                         peer = %self.sh.peer,
@@ -885,15 +890,22 @@ impl Drop for ShmSender {
                 let mut rest = self.detach();
                 rt.spawn(async move {
                     let close = futures_util::future::poll_fn(|cx| rest.poll_close(cx));
-                    match tokio::time::timeout(linger, close).await {
+                    let result = tokio::time::timeout(linger, close).await;
+                    let left = rest.staged.len();
+                    if !matches!(result, Ok(Ok(()))) {
+                        rest.count.unsent(left as u64);
+                        // Counted once: not again by `rest`'s own drop below.
+                        rest.count = rest.count.muted();
+                    }
+                    match result {
                         Ok(Ok(())) => {}
                         Ok(Err(e)) => tracing::warn!(
-                            messages = rest.staged.len(),
+                            messages = left,
                             peer = %rest.sh.peer,
                             "dropped shm sender: messages not delivered: {e:#}"
                         ),
                         Err(_) => tracing::warn!(
-                            messages = rest.staged.len(),
+                            messages = left,
                             peer = %rest.sh.peer,
                             "dropped shm sender: messages not delivered within the linger of {linger:?}"
                         ),
@@ -901,6 +913,7 @@ impl Drop for ShmSender {
                 });
                 return;
             }
+            self.count.unsent(self.staged.len() as u64);
             tracing::warn!(
                 messages = self.staged.len(),
                 peer = %self.sh.peer,

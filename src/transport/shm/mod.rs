@@ -87,7 +87,7 @@ fn parts(
     peer: String,
 ) -> Parts {
     Parts {
-        tx: Box::new(ShmSender::new(sh.clone(), cfg.linger)),
+        tx: Box::new(ShmSender::new(sh.clone(), cfg.linger, cfg.count.clone())),
         rx: Box::new(ShmReceiver::new(sh, cfg.limits)),
         transport: "shm",
         local: url.to_owned(),

@@ -15,7 +15,7 @@
 use std::future::Future;
 use std::io;
 use std::net::Shutdown;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -27,7 +27,7 @@ use super::sys::Io;
 use crate::error::Result;
 use crate::transport::heartbeat::{Liveness, Tick};
 use crate::transport::pipe::{Consumer, Item, Pipe, Producer, Signal, Stager, Unbatcher};
-use crate::transport::{Config, RecvHalf, SendHalf};
+use crate::transport::{Config, Count, RecvHalf, SendHalf};
 use crate::wire::{Batch, Capabilities, Control, Decoder, Frame, HANDSHAKE_LEN, Handshake, Limits};
 use crate::{Error, ErrorKind, Message};
 
@@ -69,6 +69,12 @@ pub(crate) struct Conn {
     reader_done: AtomicBool,
     /// Messages received that no Receiver will see (it was dropped).
     discarded: AtomicU64,
+    /// Messages the Sender accepted, stored when it goes.
+    sender_accepted: AtomicU64,
+    /// The Sender and the driver that have ended: the second counts what was not written.
+    ends: AtomicU8,
+    count: Count,
+    peer: String,
 }
 
 impl Conn {
@@ -86,6 +92,31 @@ impl Conn {
             writer_done: AtomicBool::new(false),
             reader_done: AtomicBool::new(false),
             discarded: AtomicU64::new(0),
+            sender_accepted: AtomicU64::new(0),
+            ends: AtomicU8::new(0),
+            count: cfg.count.clone(),
+            peer: String::new(),
+        }
+    }
+
+    /// Names the peer in what the connection reports when it ends.
+    pub(crate) fn with_peer(mut self, peer: &str) -> Conn {
+        self.peer = peer.to_owned();
+        self
+    }
+
+    /// The Sender or the driver has ended; once both have, what the Sender accepted and the
+    /// write loop never wrote is counted as unsent.
+    fn end_one(&self) {
+        if self.ends.fetch_add(1, Ordering::AcqRel) == 1 {
+            let unsent = self
+                .sender_accepted
+                .load(Ordering::Acquire)
+                .saturating_sub(self.written.load(Ordering::Acquire));
+            if unsent > 0 {
+                tracing::warn!(peer = %self.peer, messages = unsent, "connection ended with messages the Sender accepted and never wrote (counted in Context::stats)");
+                self.count.unsent(unsent);
+            }
         }
     }
 
@@ -164,6 +195,16 @@ impl TcpSender {
                 conn.error().map(Err)
             }
         })
+    }
+}
+
+impl Drop for TcpSender {
+    fn drop(&mut self) {
+        // (`out` hands over what it staged and closes the pipe when it drops, after this.)
+        self.conn
+            .sender_accepted
+            .store(self.accepted, Ordering::Release);
+        self.conn.end_one();
     }
 }
 
@@ -249,6 +290,7 @@ impl Drop for TcpReceiver {
         let left = self.inp.pipe().len() + self.inp.buffered() as u64;
         if left > 0 {
             self.conn.discarded.fetch_add(left, Ordering::Relaxed);
+            self.conn.count.unread(left);
         }
         if !self.done {
             // Tell the peer to stop sending (unless the stream already ended).
@@ -425,6 +467,7 @@ impl Drop for FailOnDrop {
                 false,
             );
         }
+        self.conn.end_one();
     }
 }
 
@@ -651,6 +694,7 @@ async fn deliver(conn: &Conn, inp: &mut Producer, batch: &mut Vec<Message>) -> R
     })
     .await?;
     if conn.inp.is_rx_closed() {
+        conn.count.unread(batch.len() as u64);
         let n = conn
             .discarded
             .fetch_add(batch.len() as u64, Ordering::Relaxed);

@@ -35,10 +35,11 @@
 //! flusher reads what the peer still sends until its EOF (at most `linger`), so that closing
 //! never resets a connection whose last bytes the peer has not read.
 
+use std::collections::VecDeque;
 use std::io::{self, IoSlice};
 use std::net::Shutdown;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -98,6 +99,10 @@ pub(super) struct Shared {
     /// Wakes the Sender: the flusher made progress, or the connection failed or was stopped.
     tx: AtomicWaker,
     sender_gone: AtomicBool,
+    /// Messages the Sender accepted, stored when it goes.
+    sender_accepted: AtomicU64,
+    /// The Sender and the flusher that have ended: the second counts what was not written.
+    ended: AtomicU8,
     /// The read side: used by the Receiver, and by the flusher while the Receiver is not
     /// waiting for data (or is gone).
     r: Mutex<ReadState>,
@@ -121,6 +126,11 @@ struct Writer {
     /// Bytes appended and written: flush and backpressure compare them.
     appended: u64,
     written: u64,
+    /// Where each message appended and not completely written yet ends in the stream
+    /// (oldest first), and how many messages were completely written: what a connection
+    /// that ends early did not send.
+    ends: VecDeque<u64>,
+    msgs_written: u64,
     /// `tls://`: bytes sealed into records that wait in the session for the socket (they
     /// count as written once it took them).
     sealed: u64,
@@ -151,6 +161,14 @@ impl Writer {
         let before = self.batch.bytes();
         self.batch.push_message(msg);
         self.appended += (self.batch.bytes() - before) as u64;
+        self.ends.push_back(self.appended);
+    }
+
+    /// Counts the messages whose last byte is now written.
+    fn settle(&mut self) {
+        let done = self.ends.partition_point(|&end| end <= self.written);
+        self.msgs_written += done as u64;
+        self.ends.drain(..done);
     }
 
     fn push_control(&mut self, c: &Control) {
@@ -177,6 +195,7 @@ impl Writer {
                 if self.sealed > 0 {
                     self.written += std::mem::take(&mut self.sealed);
                     sh.written.store(self.written, Ordering::Release);
+                    self.settle();
                 }
             }
             if self.out.is_empty() {
@@ -210,6 +229,7 @@ impl Writer {
                     } else {
                         self.written += n as u64;
                         sh.written.store(self.written, Ordering::Release);
+                        self.settle();
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Wrote::Blocked),
@@ -310,6 +330,8 @@ pub(super) fn start(
             out: Vec::new(),
             appended: 0,
             written: 0,
+            ends: VecDeque::new(),
+            msgs_written: 0,
             sealed: 0,
             stop_owed: false,
             closing: false,
@@ -327,6 +349,8 @@ pub(super) fn start(
         work: AtomicBool::new(false),
         tx: AtomicWaker::new(),
         sender_gone: AtomicBool::new(false),
+        sender_accepted: AtomicU64::new(0),
+        ended: AtomicU8::new(0),
         r: Mutex::new(ReadState {
             dec: Decoder::new(cfg.limits),
             src,
@@ -541,8 +565,12 @@ impl Drop for DirectSender {
                 w.push_control(&Control::Close);
             }
         }
+        self.sh
+            .sender_accepted
+            .store(self.messages, Ordering::Release);
         self.sh.sender_gone.store(true, Ordering::Release);
         self.sh.kick();
+        self.sh.end_one();
     }
 }
 
@@ -864,6 +892,7 @@ impl Drop for DirectReceiver {
             std::mem::take(&mut st.early).len()
         };
         if discarded > 0 {
+            self.sh.cfg.count.unread(discarded as u64);
             tracing::debug!(
                 messages = discarded,
                 "tcp receiver dropped with messages read ahead"
@@ -887,6 +916,7 @@ impl Drop for DirectReceiver {
 /// * the read side ends at the peer's EOF;
 /// * once both halves are gone, whatever is left finishes within `linger`.
 async fn flusher(sh: Arc<Shared>, live: Liveness) {
+    let _ended = Ended(&sh);
     let mut write_shut = false;
     let mut discarded = 0u64;
     let mut linger_until: Option<tokio::time::Instant> = None;
@@ -1066,6 +1096,7 @@ fn read_into(sh: &Shared, st: &mut ReadState, gone: bool, discarded: &mut u64) {
             Poll::Ready(Ok(Got::Message(m))) => {
                 if gone {
                     *discarded += 1;
+                    sh.cfg.count.unread(1);
                 } else {
                     st.early_bytes += m.body().len();
                     st.early.push_back(m);
@@ -1106,6 +1137,33 @@ fn write_owed(sh: &Shared) -> io::Result<bool> {
 
 /// After a failure: the `ERROR` frame owed to the peer (best effort, bounded), then shut
 /// down.
+/// Ends the flusher's part, however its future ends.
+struct Ended<'a>(&'a Shared);
+
+impl Drop for Ended<'_> {
+    fn drop(&mut self) {
+        self.0.end_one();
+    }
+}
+
+impl Shared {
+    /// The Sender or the flusher has ended; once both have, what the Sender accepted and
+    /// was never completely written is counted as unsent.
+    fn end_one(&self) {
+        if self.ended.fetch_add(1, Ordering::AcqRel) == 1 {
+            let written = self.lock().msgs_written;
+            let unsent = self
+                .sender_accepted
+                .load(Ordering::Acquire)
+                .saturating_sub(written);
+            if unsent > 0 {
+                tracing::warn!(peer = %self.peer, messages = unsent, "connection ended with messages the Sender accepted and never wrote (counted in Context::stats)");
+                self.cfg.count.unsent(unsent);
+            }
+        }
+    }
+}
+
 async fn finish_failed(sh: &Shared) {
     let reason = sh.lock().error_reason.take();
     if let Some(reason) = reason {
@@ -1114,6 +1172,7 @@ async fn finish_failed(sh: &Shared) {
             // What was pending is abandoned: the stream position is lost anyway.
             w.out.clear();
             w.batch.take();
+            w.ends.clear();
             w.push_control(&Control::Error(reason));
         }
         let _ = tokio::time::timeout(ERROR_WRITE, async {

@@ -199,8 +199,8 @@ pub(super) async fn establish<S: Io>(
     cfg: &Config,
 ) -> Result<(Parts, impl Future<Output = ()> + use<S>)> {
     let (peer_limits, live, leftover) = agree(&stream, cfg).await?;
-    let conn = Arc::new(Conn::new(cfg));
     let peer_url = Endpoint::from_socket_addr(peer).to_string();
+    let conn = Arc::new(Conn::new(cfg).with_peer(&peer_url));
     let parts = Parts {
         tx: Box::new(TcpSender::new(conn.clone())),
         rx: Box::new(TcpReceiver::new(conn.clone())),
