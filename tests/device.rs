@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bytes::Bytes;
 use hyperframes::device::{Gpu, Staging};
 use hyperframes::{Body, Channel, Context, ErrorKind, Flags, Header, Location, Message};
 use tokio::time::timeout;
@@ -336,6 +337,16 @@ fn device_bodies_compare_by_memory() {
     assert_eq!(Body::from(a.clone()), Body::from(a.clone()));
     assert_ne!(Body::from(a.clone()), Body::from(b));
     assert_ne!(Body::from(a), Body::from("same bytes"));
+}
+
+#[test]
+fn only_host_bodies_convert_to_bytes() {
+    let host = Body::from("host bytes");
+    assert_eq!(Bytes::try_from(host).unwrap(), "host bytes");
+    let device = Body::from(Gpu::stand_in().upload(b"device bytes").unwrap());
+    let back = Bytes::try_from(device).unwrap_err();
+    assert_eq!(back.len(), 12, "the body comes back whole");
+    assert!(back.as_device().is_some());
 }
 
 // ---- on a GPU (run with `cargo test --features cuda --test device -- --ignored`) ----

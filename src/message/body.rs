@@ -161,6 +161,15 @@ impl Body {
     }
 }
 
+/// The bytes of a body in host memory, without a copy; a body in device memory fails and
+/// comes back in the error (stage it with `DeviceBody::to_host` first).
+impl TryFrom<Body> for Bytes {
+    type Error = Body;
+    fn try_from(body: Body) -> Result<Bytes, Body> {
+        body.into_bytes()
+    }
+}
+
 impl From<Bytes> for Body {
     fn from(b: Bytes) -> Body {
         Body {

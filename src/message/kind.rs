@@ -287,10 +287,20 @@ impl TryFrom<String> for MsgType {
 }
 
 /// Anything [`Message::new`](crate::Message::new) accepts as a type: `&str`, `String`,
-/// `MsgType`.
-pub trait IntoMsgType {
+/// `MsgType`. Sealed: the set of conversions is the crate's to extend (a new one is not a
+/// breaking change for anyone).
+pub trait IntoMsgType: sealed::Sealed {
     /// Validates and converts.
     fn into_msg_type(self) -> Result<MsgType, InvalidType>;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::MsgType {}
+    impl Sealed for &super::MsgType {}
+    impl Sealed for &str {}
+    impl Sealed for String {}
+    impl Sealed for &String {}
 }
 
 impl IntoMsgType for MsgType {
