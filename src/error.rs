@@ -75,7 +75,48 @@ pub enum ErrorKind {
     Service,
 }
 
+/// Each kind's stable name, as error replies carry it (`error-kind`).
+const CODES: [(ErrorKind, &str); 20] = [
+    (ErrorKind::InvalidType, "invalid-type"),
+    (ErrorKind::InvalidMeta, "invalid-meta"),
+    (ErrorKind::InvalidUrl, "invalid-url"),
+    (ErrorKind::UnsupportedScheme, "unsupported-scheme"),
+    (ErrorKind::LimitExceeded, "limit-exceeded"),
+    (ErrorKind::Protocol, "protocol"),
+    (ErrorKind::Io, "io"),
+    (ErrorKind::ConnectionLost, "connection-lost"),
+    (ErrorKind::Closed, "closed"),
+    (ErrorKind::Full, "full"),
+    (ErrorKind::TimedOut, "timed-out"),
+    (ErrorKind::ConnectionRefused, "connection-refused"),
+    (ErrorKind::NotFound, "not-found"),
+    (ErrorKind::AddrInUse, "addr-in-use"),
+    (ErrorKind::Unavailable, "unavailable"),
+    (ErrorKind::Mismatch, "mismatch"),
+    (ErrorKind::Config, "config"),
+    (ErrorKind::Auth, "auth"),
+    (ErrorKind::Remote, "remote"),
+    (ErrorKind::Service, "service"),
+];
+
 impl ErrorKind {
+    /// The kind's stable name (`invalid-type`, `service`, ...): what an error reply of
+    /// [`middleware::serve`](crate::middleware::serve()) carries, and what
+    /// [`from_code`](Self::from_code) reads back. Unlike the `Display` wording, it does not
+    /// change between releases.
+    pub fn code(self) -> &'static str {
+        CODES
+            .iter()
+            .find(|(k, _)| *k == self)
+            .map_or("unknown", |(_, c)| c)
+    }
+
+    /// The kind named `code`; `None` for a name this release does not know (a newer
+    /// peer's).
+    pub fn from_code(code: &str) -> Option<ErrorKind> {
+        CODES.iter().find(|(_, c)| *c == code).map(|(k, _)| *k)
+    }
+
     fn describe(self) -> &'static str {
         match self {
             ErrorKind::InvalidType => "invalid message type",
@@ -119,6 +160,8 @@ struct Inner {
     io_kind: Option<io::ErrorKind>,
     source: Option<Box<dyn std::error::Error + Send + Sync>>,
     message: Option<Message>,
+    /// [`ErrorKind::Remote`]: the kind the peer reported.
+    remote: Option<ErrorKind>,
 }
 
 impl Error {
@@ -130,6 +173,7 @@ impl Error {
                 io_kind: None,
                 source: None,
                 message: None,
+                remote: None,
             }),
         }
     }
@@ -178,7 +222,15 @@ impl Error {
         };
         let mut e = Error::new(self.inner.kind, detail);
         e.inner.io_kind = self.inner.io_kind;
+        e.inner.remote = self.inner.remote;
         e
+    }
+
+    /// An [`ErrorKind::Remote`] error that the peer classified as `kind`.
+    #[cfg_attr(not(feature = "tower"), allow(dead_code))]
+    pub(crate) fn with_remote_kind(mut self, kind: Option<ErrorKind>) -> Error {
+        self.inner.remote = kind;
+        self
     }
 
     /// What went wrong, to match on.
@@ -213,6 +265,16 @@ impl Error {
         self.inner.kind == ErrorKind::TimedOut
     }
 
+    /// For [`ErrorKind::Remote`]: how the peer classified its failure, so a client can tell
+    /// a request refused by the server's type filter ([`ErrorKind::InvalidType`]), its
+    /// metadata schema ([`ErrorKind::InvalidMeta`]) or its router ([`ErrorKind::NotFound`])
+    /// from one its handler failed or did not answer ([`ErrorKind::Service`]), without
+    /// reading the text. `None` for other errors, and for a peer that sent no kind (or one
+    /// this release does not know).
+    pub fn remote_kind(&self) -> Option<ErrorKind> {
+        self.inner.remote
+    }
+
     /// True for [`ErrorKind::Remote`].
     pub fn is_remote(&self) -> bool {
         self.inner.kind == ErrorKind::Remote
@@ -231,6 +293,9 @@ impl fmt::Debug for Error {
             .field("detail", &self.inner.detail);
         if let Some(k) = self.inner.io_kind {
             d.field("io_kind", &k);
+        }
+        if let Some(k) = self.inner.remote {
+            d.field("remote_kind", &k);
         }
         if let Some(s) = &self.inner.source {
             d.field("source", s);
@@ -298,6 +363,19 @@ impl From<Error> for io::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_kind_has_a_code_that_reads_back() {
+        for (kind, code) in CODES {
+            assert_eq!(kind.code(), code);
+            assert_eq!(ErrorKind::from_code(code), Some(kind));
+        }
+        assert_eq!(ErrorKind::from_code("from-a-newer-peer"), None);
+        let mut codes: Vec<_> = CODES.iter().map(|(_, c)| c).collect();
+        codes.sort();
+        codes.dedup();
+        assert_eq!(codes.len(), CODES.len(), "codes are unique");
+    }
 
     #[test]
     fn io_errors_are_classified() {

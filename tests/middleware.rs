@@ -514,6 +514,7 @@ async fn schema_refuses_on_the_receive_side(t: T) {
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Remote, "{err}");
+    assert_eq!(err.remote_kind(), Some(ErrorKind::InvalidMeta), "{err:?}");
     let text = err.to_string();
     for part in ["video.frame", "`frame`", "an integer", "\"twelve\""] {
         assert!(text.contains(part), "{part:?} not in {text}");
@@ -525,6 +526,41 @@ async fn schema_refuses_on_the_receive_side(t: T) {
     );
     eventually("both replies counted", || stats.responses() == 2).await;
     assert_eq!((stats.calls(), stats.errors()), (2, 1));
+    stop.shutdown();
+    timeout(GUARD, task).await.unwrap().unwrap().unwrap();
+}
+
+/// A client tells apart, without reading the text, a request refused by the server's type
+/// filter, by its router (no route), and one its handler failed: the error reply carries the
+/// kind.
+async fn client_tells_refusals_apart_by_remote_kind(t: T) {
+    let (ctx, l, url) = listen(t, Context::builder()).await;
+    let handler = service_fn(|req: Message| async move {
+        if req.kind() == "video.broken" {
+            return Err::<Option<Message>, BoxError>("the decoder crashed".into());
+        }
+        Ok(Some(reply_to(&req, "video.ack")))
+    });
+    let routes = Router::new().route("video.*", handler).unwrap();
+    let svc = TypeFilterLayer::new(["video.**"]).unwrap().layer(routes);
+    let server = serve(l, tower::make::Shared::new(svc));
+    let stop = server.shutdown_handle();
+    let task = tokio::spawn(server.into_future());
+    let mut client = Client::new(ctx.connect(&url).await.unwrap());
+    for (kind, expected) in [
+        ("audio.frame", ErrorKind::InvalidType),
+        ("video.frame.extra", ErrorKind::NotFound),
+        ("video.broken", ErrorKind::Service),
+    ] {
+        let err = timeout(GUARD, client.ready().await.unwrap().call(m(kind)))
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Remote, "{err}");
+        assert_eq!(err.remote_kind(), Some(expected), "{kind}: {err:?}");
+    }
+    let ok = client.ready().await.unwrap().call(m("video.frame")).await;
+    assert_eq!(ok.unwrap().kind(), "video.ack");
     stop.shutdown();
     timeout(GUARD, task).await.unwrap().unwrap().unwrap();
 }
@@ -559,6 +595,7 @@ async fn serve_answers_every_request_it_does_not_answer_otherwise(t: T) {
             .expect("an answer, not a wait for the caller's timeout")
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Remote, "{err}");
+        assert_eq!(err.remote_kind(), Some(ErrorKind::Service), "{err:?}");
         let text = err.to_string();
         assert!(text.contains(kind) && text.contains(why), "{text}");
     }
@@ -1257,6 +1294,7 @@ suite!(
     schema_refuses_on_the_receive_side,
     filtered_receiver_is_diagnosable_from_the_log,
     serve_answers_every_request_it_does_not_answer_otherwise,
+    client_tells_refusals_apart_by_remote_kind,
     client_pairs_reordered_replies,
     client_cancellation_frees_the_slot_and_counts_the_late_reply,
     client_fails_every_request_when_the_channel_goes,
@@ -1414,6 +1452,7 @@ async fn client_escapes_the_text_of_an_error_reply() {
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Remote);
+    assert_eq!(err.remote_kind(), None, "the reply named no kind");
     let text = err.to_string();
     assert!(
         text.contains(r"`x.y\u{1b}[2J`: denied\r\n2026-12-03 INFO all good\u{202e}"),

@@ -20,7 +20,8 @@
 //! * **Failure.** When the channel breaks or the peer closes it, every request in flight
 //!   fails with that error (no hang), and so does every later call. An error reply from
 //!   `serve` (type [`ERROR_TYPE`]) fails its request
-//!   with [`ErrorKind::Remote`].
+//!   with [`ErrorKind::Remote`]; [`Error::remote_kind`](crate::Error::remote_kind) tells what
+//!   on the server refused or failed it.
 //!
 //! The client is not `Clone` (it owns the channel's [`Sender`]): share it with
 //! `tower::buffer::Buffer`, which also lets `retry` clone it. Tower's `timeout`,
@@ -388,6 +389,7 @@ fn remote_error(peer: &str, msg: &Message) -> Error {
         .map(|b| String::from_utf8_lossy(b).into_owned())
         .unwrap_or_default();
     let kind = msg.meta().get("request-type").unwrap_or("?");
+    let remote_kind = msg.meta().get("error-kind").and_then(ErrorKind::from_code);
     // Both are the peer's words: escaped, so that printing the error cannot drive a terminal.
     Error::new(
         ErrorKind::Remote,
@@ -397,6 +399,7 @@ fn remote_error(peer: &str, msg: &Message) -> Error {
             crate::escape_untrusted(&text)
         ),
     )
+    .with_remote_kind(remote_kind)
 }
 
 /// A taken slot, with the request's entry in the pending map once it has one; freed on drop.

@@ -48,8 +48,28 @@ impl<F: Future> Future for Call<F> {
 /// The longest error text put in an error reply, in bytes.
 const MAX_ERROR_TEXT: usize = 4096;
 
+/// How an error reply classifies `err` (its `error-kind`): the middleware's refusals by what
+/// they refused, a hyperframes error by its kind, anything else the handler's failure.
+fn classify(err: &BoxError) -> ErrorKind {
+    use crate::middleware::{
+        meta_schema::SchemaViolation, router::NoRoute, type_filter::Unmatched,
+    };
+    if let Some(e) = err.downcast_ref::<crate::Error>() {
+        e.kind()
+    } else if err.is::<Unmatched>() {
+        ErrorKind::InvalidType
+    } else if err.is::<SchemaViolation>() {
+        ErrorKind::InvalidMeta
+    } else if err.is::<NoRoute>() {
+        ErrorKind::NotFound
+    } else {
+        ErrorKind::Service
+    }
+}
+
 /// The error reply to a failed request: see [`ERROR_TYPE`].
 pub(crate) fn error_reply(request_kind: &MsgType, correlation: u64, err: &BoxError) -> Message {
+    let code = classify(err).code();
     let mut text = err.to_string();
     let mut source = err.source();
     while let Some(s) = source {
@@ -75,6 +95,7 @@ pub(crate) fn error_reply(request_kind: &MsgType, correlation: u64, err: &BoxErr
     // rather than panic if it ever did.
     msg.clone()
         .with_meta("request-type", request_kind.as_str())
+        .and_then(|m| m.with_meta("error-kind", code))
         .unwrap_or(msg)
 }
 

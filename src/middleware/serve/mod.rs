@@ -15,8 +15,9 @@
 //!   for room in the channel. The transport's queues then fill and the peer's sends wait.
 //! * **Errors.** A failed call is logged (rate-limited) and counted; if the message was a
 //!   request ([`Flags::REQUEST`](crate::Flags::REQUEST)), the peer gets an error reply of type
-//!   [`ERROR_TYPE`] carrying the error text, which a `Client` turns into an
-//!   [`ErrorKind::Remote`] error — so a failure is tied to its
+//!   [`ERROR_TYPE`] carrying the error text and its kind, which a `Client` turns into an
+//!   [`ErrorKind::Remote`] error whose [`remote_kind`](crate::Error::remote_kind) says
+//!   what refused it (filter, schema, router, handler) — so a failure is tied to its
 //!   request, and no client waits for a reply that will never come. A handler whose
 //!   `poll_ready` fails ends its channel.
 //! * **No request left waiting.** A request the handler answers with `Ok(None)` (a message
@@ -80,9 +81,12 @@ use super::log_limit::LogLimit;
 use crate::{Channel, ChannelInfo, Error, ErrorKind, Listener, Message, Result};
 
 /// The type of the error reply [`serve()`] sends for a failed request: the body is the error
-/// text (UTF-8, at most 4 KiB), the metadata key `request-type` names the request's type, the
-/// header carries [`Flags::RESPONSE`](crate::Flags::RESPONSE) and the request's correlation
-/// id.
+/// text (UTF-8, at most 4 KiB), the metadata key `request-type` names the request's type,
+/// `error-kind` classifies the failure by an [`ErrorKind::code`] (`invalid-type`: refused by
+/// a type filter; `invalid-meta`: by a metadata schema; `not-found`: no route; a hyperframes
+/// error's own kind; `service`: the handler failed or gave no reply), which a
+/// [`Client`](crate::middleware::Client) returns as [`Error::remote_kind`]. The header
+/// carries [`Flags::RESPONSE`](crate::Flags::RESPONSE) and the request's correlation id.
 pub const ERROR_TYPE: &str = "hyperframes.error";
 
 /// What a make-service learns about a new channel.
