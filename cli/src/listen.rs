@@ -8,6 +8,8 @@ use hyperframes::{Channel, Context};
 use tokio::task::JoinSet;
 
 use crate::output::{Printer, json_line};
+#[cfg(feature = "tower")]
+use crate::request::echo_of;
 use crate::units::{human_bytes, parse_size};
 use crate::{Failure, build_context};
 
@@ -174,6 +176,12 @@ fn interrupted() -> Result<impl Future<Output = ()>, Failure> {
     })
 }
 
+/// Without `hf request` (feature tower), an echo is the message itself.
+#[cfg(not(feature = "tower"))]
+fn echo_of(msg: hyperframes::Message) -> hyperframes::Message {
+    msg
+}
+
 /// Prints (and echoes) what one connection sends until it closes or fails. Once the
 /// printer takes no more lines, it closes its sending side and reads on, discarding, until
 /// the peer closes.
@@ -205,7 +213,7 @@ async fn serve(ch: Channel, printer: Arc<Printer>, echo: bool) {
         // the echo has reached the kernel before the process exits.
         if echoing {
             let sent = async {
-                tx.send(msg).await?;
+                tx.send(echo_of(msg)).await?;
                 tx.flush().await
             };
             if let Err(e) = sent.await {

@@ -18,6 +18,9 @@
 //!   with the `--meta KEY=VALUE` entries and a body of `--size` bytes of a fixed pattern
 //!   (byte `i` is `i % 251`) or the contents of `--file`, then closes its direction and
 //!   waits (briefly, see `--linger`) for the peer to close its own.
+//! * `hf request URL --type T` sends one request (same flags as `hf send`) through the
+//!   library's `middleware::Client` and prints the reply as a JSON line (`--body`: its raw
+//!   body); an error reply or no reply within `--timeout` exits 1.
 //! * `hf bench` measures latency, message rate and bandwidth of every transport with the
 //!   peer in a second process (see `bench/mod.rs`).
 //! * `hf doctor` checks this host against the deployment checklist (io_uring, memlock, RDMA,
@@ -34,6 +37,8 @@ mod bench;
 mod doctor;
 mod listen;
 mod output;
+#[cfg(feature = "tower")]
+mod request;
 mod send;
 mod tls;
 mod units;
@@ -47,6 +52,7 @@ const AFTER_HELP: &str = "\
 Examples:
   hf listen tcp://127.0.0.1:5555 --count 2
   hf send tcp://127.0.0.1:5555 --type demo.hello --meta k=v --size 1KiB --count 2
+  hf request tcp://127.0.0.1:5555 --type svc.lookup --meta key=42   # print the reply
   hf bench                  # latency, rate and bandwidth of every transport, on loopback
   hf doctor                 # is this host set up for speed? each finding with its fix
 
@@ -92,6 +98,10 @@ enum Command {
     /// Connect to a URL and send messages.
     #[command(after_help = send::AFTER_HELP)]
     Send(send::SendArgs),
+    /// Send one request to a service and print its reply.
+    #[cfg(feature = "tower")]
+    #[command(after_help = request::AFTER_HELP)]
+    Request(request::RequestArgs),
     /// Measure latency, message rate and bandwidth, with the peer in a second process.
     #[command(after_help = bench::AFTER_HELP)]
     Bench(bench::BenchArgs),
@@ -180,6 +190,8 @@ fn main() {
         Command::Bench(args) => bench::main(args),
         Command::Listen(args) => multi_thread(listen::run(args)),
         Command::Send(args) => multi_thread(send::run(args)),
+        #[cfg(feature = "tower")]
+        Command::Request(args) => multi_thread(request::run(args)),
         Command::Doctor(args) => multi_thread(doctor::run(args)),
     };
     let code = match result {

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::Args;
-use hyperframes::{Body, Context, Endpoint, ErrorKind, Header, Message, Meta, MsgType};
+use hyperframes::{Body, Channel, Context, Endpoint, ErrorKind, Header, Message, Meta, MsgType};
 
 use crate::units::{SIZE_HELP, human_bytes, parse_size};
 use crate::{Failure, build_context};
@@ -38,6 +38,32 @@ pub(crate) struct SendArgs {
     #[arg(value_name = "URL")]
     url: String,
 
+    #[command(flatten)]
+    message: MessageArgs,
+
+    /// How many messages to send (each with the same type, metadata and body).
+    #[arg(short = 'n', long, value_name = "N", default_value_t = 1)]
+    count: u64,
+
+    /// After sending, how long to wait for the peer to close its side, in seconds
+    ///
+    /// What the peer sends meanwhile (echoes) is read and discarded. 0 exits right after the
+    /// close, even if the peer is still sending, which makes the kernel reset the
+    /// connection.
+    #[arg(long, value_name = "SECONDS", default_value_t = 5.0)]
+    linger: f64,
+
+    /// Print a summary on stderr when done.
+    #[arg(short, long)]
+    verbose: bool,
+
+    #[command(flatten)]
+    tls: crate::tls::TlsArgs,
+}
+
+/// The message `hf send` and `hf request` make: type, metadata and body.
+#[derive(Debug, Args)]
+pub(crate) struct MessageArgs {
     /// The message type: a dotted name such as demo.hello (segments of A-Z a-z 0-9 _ -).
     #[arg(short = 't', long = "type", value_name = "TYPE")]
     kind: String,
@@ -58,25 +84,15 @@ pub(crate) struct SendArgs {
     /// Body read from a file ('-' for stdin).
     #[arg(short, long, value_name = "PATH")]
     file: Option<PathBuf>,
+}
 
-    /// How many messages to send (each with the same type, metadata and body).
-    #[arg(short = 'n', long, value_name = "N", default_value_t = 1)]
-    count: u64,
-
-    /// After sending, how long to wait for the peer to close its side, in seconds
-    ///
-    /// What the peer sends meanwhile (echoes) is read and discarded. 0 exits right after the
-    /// close, even if the peer is still sending, which makes the kernel reset the
-    /// connection.
-    #[arg(long, value_name = "SECONDS", default_value_t = 5.0)]
-    linger: f64,
-
-    /// Print a summary on stderr when done.
-    #[arg(short, long)]
-    verbose: bool,
-
-    #[command(flatten)]
-    tls: crate::tls::TlsArgs,
+impl MessageArgs {
+    /// Type, metadata and where the body comes from, checked before connecting.
+    pub(crate) fn parse(&self) -> Result<(MsgType, Meta, BodySource), Failure> {
+        let kind = MsgType::new(&self.kind)
+            .map_err(|e| Failure::usage(format!("bad --type {:?}: {e:#}", self.kind)))?;
+        Ok((kind, parse_meta(&self.meta)?, read_body(self)?))
+    }
 }
 
 /// Builds a body of `len` bytes of the pattern `i % 251`.
@@ -106,7 +122,7 @@ fn parse_meta(entries: &[String]) -> Result<Meta, Failure> {
 }
 
 /// Where the body comes from, checked before connecting.
-enum BodySource {
+pub(crate) enum BodySource {
     Pattern(u64),
     Bytes(Bytes),
 }
@@ -120,7 +136,7 @@ impl BodySource {
     }
 }
 
-fn read_body(args: &SendArgs) -> Result<BodySource, Failure> {
+fn read_body(args: &MessageArgs) -> Result<BodySource, Failure> {
     if let Some(size) = &args.size {
         let n = parse_size(size).map_err(|e| Failure::usage(format!("bad --size {e:#}")))?;
         return Ok(BodySource::Pattern(n));
@@ -138,42 +154,32 @@ fn read_body(args: &SendArgs) -> Result<BodySource, Failure> {
         .map_err(|e| Failure::runtime(format!("cannot read --file {}: {e:#}", path.display())))
 }
 
-/// Runs `hf send`.
-pub(crate) async fn run(args: SendArgs) -> Result<(), Failure> {
-    // Everything that can be checked without the peer is checked before connecting.
-    crate::reachable(&args.url)?;
-    args.tls.check(&args.url, false)?;
-    let kind = MsgType::new(&args.kind)
-        .map_err(|e| Failure::usage(format!("bad --type {:?}: {e:#}", args.kind)))?;
-    let meta = parse_meta(&args.meta)?;
-    if !(args.linger.is_finite() && args.linger >= 0.0) {
-        return Err(Failure::usage(format!(
-            "bad --linger {}: expected a number of seconds, 0 or more",
-            args.linger
-        )));
-    }
-    let linger = Duration::from_secs_f64(args.linger.min(1e9));
-    let source = read_body(&args)?;
-
-    let ctx = build_context(args.tls.apply(Context::builder())?)?;
-    let started = Instant::now();
-    let ch = ctx.connect(&args.url).await.map_err(|e| {
-        let shm = matches!(Endpoint::parse(&args.url), Ok(Endpoint::Shm { .. }));
+/// Connects to `url`, saying what to check when nothing listens there.
+pub(crate) async fn connect(ctx: &Context, url: &str) -> Result<Channel, Failure> {
+    let ch = ctx.connect(url).await.map_err(|e| {
+        let shm = matches!(Endpoint::parse(url), Ok(Endpoint::Shm { .. }));
         if e.kind() == ErrorKind::ConnectionRefused && !shm {
             Failure::runtime(format!(
-                "cannot connect to {}: connection refused (is anything listening there?)",
-                args.url
+                "cannot connect to {url}: connection refused (is anything listening there?)"
             ))
         } else {
             // shm: the library names the socket path it tried (it depends on
             // XDG_RUNTIME_DIR), which is what to check.
-            Failure::runtime(format!("cannot connect to {}: {e:#}", args.url))
+            Failure::runtime(format!("cannot connect to {url}: {e:#}"))
         }
     })?;
-    let peer = ch.info().peer_url().to_owned();
-    tracing::info!(%peer, "connected");
+    tracing::info!(peer = %ch.info().peer_url(), "connected");
+    Ok(ch)
+}
 
-    // Check the peer's limits before building a body it would refuse.
+/// The message, checked against the peer's limits before its body is built.
+pub(crate) fn build(
+    ch: &Channel,
+    kind: MsgType,
+    meta: Meta,
+    source: BodySource,
+) -> Result<Message, Failure> {
+    let peer = ch.info().peer_url();
     let head = Message::from_parts(kind, meta, Body::new(), Header::default());
     let limits = *ch.info().peer_limits();
     limits
@@ -190,8 +196,29 @@ pub(crate) async fn run(args: SendArgs) -> Result<(), Failure> {
         BodySource::Pattern(n) => pattern(n as usize),
         BodySource::Bytes(b) => b,
     };
-    let body_len = body.len();
-    let msg = head.with_body(body);
+    Ok(head.with_body(body))
+}
+
+/// Runs `hf send`.
+pub(crate) async fn run(args: SendArgs) -> Result<(), Failure> {
+    // Everything that can be checked without the peer is checked before connecting.
+    crate::reachable(&args.url)?;
+    args.tls.check(&args.url, false)?;
+    let (kind, meta, source) = args.message.parse()?;
+    if !(args.linger.is_finite() && args.linger >= 0.0) {
+        return Err(Failure::usage(format!(
+            "bad --linger {}: expected a number of seconds, 0 or more",
+            args.linger
+        )));
+    }
+    let linger = Duration::from_secs_f64(args.linger.min(1e9));
+
+    let ctx = build_context(args.tls.apply(Context::builder())?)?;
+    let started = Instant::now();
+    let ch = connect(&ctx, &args.url).await?;
+    let peer = ch.info().peer_url().to_owned();
+    let msg = build(&ch, kind, meta, source)?;
+    let body_len = msg.body().len();
 
     let (mut tx, mut rx) = ch.split();
     // Read whatever the peer sends (an echo) while sending: a peer that echoes must never

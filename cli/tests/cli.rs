@@ -1150,3 +1150,72 @@ fn tls_flags_are_checked() {
         let _ = std::fs::remove_file(&junk);
     }
 }
+
+/// `hf request` against `hf listen --echo`: the echo of a request is its response, printed
+/// as a JSON line; `--body` prints the raw body instead.
+#[test]
+fn request_prints_the_reply() {
+    let l = listen(&["--echo", "--count", "2"], &[]);
+    let out = run(&[
+        "request",
+        &l.url,
+        "--type",
+        "demo.ping",
+        "--meta",
+        "k=v",
+        "--size",
+        "100",
+    ]);
+    assert!(out.status.success(), "{:?}\n{:#?}", out.status, out.stderr);
+    assert_eq!(out.stdout.len(), 1, "{:#?}", out.stdout);
+    check_line(&out.stdout[0], "demo.ping", &[("k", "v")], &pattern(100));
+    let out = run_with(
+        hf().args([
+            "request",
+            &l.url,
+            "-t",
+            "demo.text",
+            "--file",
+            "-",
+            "--body",
+        ]),
+        Some(b"hello back\n"),
+    );
+    assert!(out.status.success(), "{:?}\n{:#?}", out.status, out.stderr);
+    assert_eq!(out.stdout, ["hello back"]);
+    l.finish();
+}
+
+/// A service's error reply is an error line naming the kind of refusal, exit 1; a peer that
+/// never answers is one too, after `--timeout`.
+#[test]
+fn request_refused_or_unanswered_exits_1() {
+    use hyperframes::middleware::{TypeFilterLayer, serve};
+    use tower::Layer as _;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let url = rt.block_on(async {
+        let l = Context::new().bind("tcp://127.0.0.1:0").await.unwrap();
+        let url = l.local_url().to_owned();
+        let svc = TypeFilterLayer::new(["svc.*"])
+            .unwrap()
+            .layer(tower::service_fn(|req: Message| async move {
+                Ok::<_, hyperframes::middleware::BoxError>(Some(req))
+            }));
+        tokio::spawn(serve(l, tower::make::Shared::new(svc)).into_future());
+        url
+    });
+    let out = run(&["request", &url, "--type", "other.thing"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = one_error_line(&out);
+    assert!(
+        err.contains("other.thing") && err.ends_with("(invalid-type)"),
+        "{err}"
+    );
+
+    let silent = listen(&[], &[]);
+    let out = run(&["request", &silent.url, "--type", "a.b", "--timeout", "0.3"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = one_error_line(&out);
+    assert!(err.contains("no reply"), "{err}");
+    drop(rt);
+}
