@@ -127,10 +127,7 @@ impl Context {
 ///
 /// A `Sender` dropped with messages still queued goes on delivering them in the background
 /// for the context's [`linger`](ContextBuilder::linger) (5 s) once the channel's other half
-/// is gone too (shm: from the drop of the Sender); a connection that fails ends that early.
-/// On the I/O-thread engines of tcp ([`IoEngine::Uring`], [`IoEngine::Epoll`]) a dropped
-/// channel's connection goes on writing until it fails or the context is dropped, and
-/// `linger` bounds only the latter. What could not be delivered then is counted here (and logged at `warn`).
+/// is gone too (shm: from the drop of the Sender); a connection that fails ends that early. What could not be delivered then is counted here (and logged at `warn`).
 /// Closing with [`Sender::close`](crate::Sender::close) instead reports the failure to the
 /// caller.
 ///
@@ -363,9 +360,9 @@ impl ContextBuilder {
     }
 
     /// How long a dropped channel goes on delivering what its Sender left, in the
-    /// background: on inline tcp and tls once both halves are gone, on shm from the Sender's
-    /// drop, for a session once both halves are gone and it has no connection; the tcp I/O
-    /// threads keep flushing for this long after the last user of the context is gone.
+    /// background: on tcp and tls once both halves are gone, on shm from the Sender's drop,
+    /// for a session once both halves are gone and it has no connection; the tcp I/O
+    /// threads also keep flushing for this long after the last user of the context is gone.
     /// What is still undelivered then is counted in [`Context::stats`]. Default 5 s.
     pub fn linger(mut self, d: Duration) -> Self {
         self.cfg.linger = d;

@@ -73,6 +73,10 @@ pub(crate) struct Conn {
     sender_accepted: AtomicU64,
     /// The Sender and the driver that have ended: the second counts what was not written.
     ends: AtomicU8,
+    /// The user halves are gone (set by their drops, which then notify `gone`).
+    sender_dropped: AtomicBool,
+    receiver_dropped: AtomicBool,
+    gone: tokio::sync::Notify,
     count: Count,
     peer: String,
 }
@@ -94,6 +98,9 @@ impl Conn {
             discarded: AtomicU64::new(0),
             sender_accepted: AtomicU64::new(0),
             ends: AtomicU8::new(0),
+            sender_dropped: AtomicBool::new(false),
+            receiver_dropped: AtomicBool::new(false),
+            gone: tokio::sync::Notify::new(),
             count: cfg.count.clone(),
             peer: String::new(),
         }
@@ -205,6 +212,8 @@ impl Drop for TcpSender {
             .sender_accepted
             .store(self.accepted, Ordering::Release);
         self.conn.end_one();
+        self.conn.sender_dropped.store(true, Ordering::Release);
+        self.conn.gone.notify_one();
     }
 }
 
@@ -298,6 +307,8 @@ impl Drop for TcpReceiver {
         }
         // The write loop may be waiting for this half to go (after its CLOSE).
         self.conn.out.to_consumer.wake();
+        self.conn.receiver_dropped.store(true, Ordering::Release);
+        self.conn.gone.notify_one();
     }
 }
 
@@ -440,13 +451,45 @@ async fn run<S: Io>(
         conn.writer_done.store(true, Ordering::Release);
         conn.inp.to_producer.wake(); // the read loop may be waiting for the writer
     };
-    futures_util::future::join(reader, writer).await;
+    let both = futures_util::future::join(reader, writer);
+    tokio::pin!(both);
+    tokio::select! {
+        biased;
+        _ = &mut both => {}
+        () = orphaned(&conn, cfg.linger) => {
+            // Nobody uses the connection and the peer does not take what is left: stop, and
+            // count what did not go out (`end_one`).
+            tracing::debug!(peer = %peer, linger = ?cfg.linger, "both halves gone and the connection not finished within the linger time; closing");
+            conn.fail(
+                Error::new(
+                    ErrorKind::TimedOut,
+                    format!("both halves dropped and the connection not finished within the linger of {:?}", cfg.linger),
+                ),
+                false,
+            );
+            both.await;
+        }
+    }
     guard.armed = false;
     let discarded = conn.discarded.load(Ordering::Relaxed);
     if discarded > 0 {
         tracing::info!(peer = %peer, discarded, "connection ended; messages no receiver read were discarded");
     }
     let _ = stream.shutdown(Shutdown::Both);
+}
+
+/// Ready `linger` after both user halves are gone.
+async fn orphaned(conn: &Conn, linger: Duration) {
+    loop {
+        let notified = conn.gone.notified();
+        if conn.sender_dropped.load(Ordering::Acquire)
+            && conn.receiver_dropped.load(Ordering::Acquire)
+        {
+            break;
+        }
+        notified.await;
+    }
+    tokio::time::sleep(linger).await;
 }
 
 /// Fails the connection if its driver is dropped before finishing (its I/O thread or
