@@ -155,22 +155,19 @@ impl Meta {
         Meta { raw: Bytes::new() }
     }
 
-    /// Validates a received encoding and keeps it as is (zero-copy).
+    /// Validates a received encoding and keeps it as is (zero-copy): the only way to make a
+    /// `Meta` from received bytes, so that what is kept is what was checked (the iterator
+    /// relies on it: keys and values are read as UTF-8 without checking again). Bytes that
+    /// a peer can still write (shared memory) must be copied before they come here.
     ///
     /// `max_entries` is checked from the count field before the entries are walked.
-    #[cfg(test)]
     pub(crate) fn from_wire(raw: Bytes, max_entries: usize) -> Result<Meta, InvalidMeta> {
         Meta::validate_wire(&raw, max_entries)?;
-        Ok(Meta::from_valid_wire(raw))
+        Ok(Meta { raw })
     }
 
-    /// Keeps an encoding that passed [`validate_wire`](Self::validate_wire).
-    pub(crate) fn from_valid_wire(raw: Bytes) -> Meta {
-        Meta { raw }
-    }
-
-    /// Checks a received encoding without keeping it.
-    pub(crate) fn validate_wire(raw: &[u8], max_entries: usize) -> Result<(), InvalidMeta> {
+    /// Checks an encoding without keeping it.
+    fn validate_wire(raw: &[u8], max_entries: usize) -> Result<(), InvalidMeta> {
         if raw.is_empty() {
             return Ok(());
         }

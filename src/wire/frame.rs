@@ -380,15 +380,15 @@ impl Decoder {
         // By reference, cloned where it goes (moving a `MsgType` through results costs more
         // than the lookup).
         let kind = self.types.lookup(&src[FRAME_HEAD_LEN..t_end])?.clone();
-        Meta::validate_wire(
-            &src[t_end..t_end + meta_len],
-            self.limits.max_meta_entries as usize,
-        )?;
         src.advance(t_end);
         let meta = if meta_len == 0 {
             Meta::new()
         } else {
-            Meta::from_valid_wire(src.split_to(meta_len).freeze())
+            // An error ends the stream: what was taken from `src` does not matter then.
+            Meta::from_wire(
+                src.split_to(meta_len).freeze(),
+                self.limits.max_meta_entries as usize,
+            )?
         };
         Ok((kind, meta))
     }

@@ -943,12 +943,15 @@ impl Connection {
     fn head(&self, kind: &[u8], meta: &[u8]) -> Result<(MsgType, Meta), ProtoError> {
         let kind =
             MsgType::from_wire(kind).map_err(|e| ProtoError::Invalid(format!("type: {e:#}")))?;
-        Meta::validate_wire(meta, self.local.limits.max_meta_entries as usize)
-            .map_err(|e| ProtoError::Invalid(format!("metadata: {e:#}")))?;
         let meta = if meta.is_empty() {
             Meta::new()
         } else {
-            Meta::from_valid_wire(Bytes::copy_from_slice(meta))
+            // Checked after the copy, which is what is kept.
+            Meta::from_wire(
+                Bytes::copy_from_slice(meta),
+                self.local.limits.max_meta_entries as usize,
+            )
+            .map_err(|e| ProtoError::Invalid(format!("metadata: {e:#}")))?
         };
         Ok((kind, meta))
     }

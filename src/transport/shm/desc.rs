@@ -419,9 +419,10 @@ pub(crate) fn head<'t>(
     if meta.is_empty() {
         return Ok((kind, Meta::new()));
     }
-    Meta::validate_wire(meta, usize::from(max_meta_entries))
+    // Checked after the copy: the peer can still write the shared bytes, not our copy.
+    let meta = Meta::from_wire(copy(meta), usize::from(max_meta_entries))
         .map_err(|e| invalid(format!("metadata: {e:#}")))?;
-    Ok((kind, Meta::from_valid_wire(copy(meta))))
+    Ok((kind, meta))
 }
 
 /// The payload offset of a block.
