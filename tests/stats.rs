@@ -69,6 +69,16 @@ async fn fill(ch: &mut Sender, body: &Bytes) -> u64 {
     n
 }
 
+/// A channel from `client` to a listener of `server` at `url`, and its accepted end.
+async fn connected(server: &Context, client: &Context, url: &str) -> (Channel, Channel) {
+    let mut l = server.bind(url).await.unwrap();
+    let url = l.local_url().to_owned();
+    tokio::join!(
+        async { timeout(GUARD, client.connect(&url)).await.unwrap().unwrap() },
+        async { timeout(GUARD, l.accept()).await.unwrap().unwrap() },
+    )
+}
+
 async fn wait_for(what: &str, ctx: &Context, done: impl Fn(ContextStats) -> bool) -> ContextStats {
     let deadline = Instant::now() + GUARD;
     loop {
@@ -95,18 +105,8 @@ async fn drain(ch: &mut Channel) -> u64 {
 /// and what the sender's context counts add up to what was accepted, exactly.
 async fn a_dropped_sender_accounts_for_every_message(url: &str, engine: IoEngine, body: usize) {
     let server_ctx = ctx(engine);
-    let mut l = server_ctx.bind(url).await.unwrap();
-    let url = l.local_url().to_owned();
     let client_ctx = ctx(engine);
-    let (ch, accepted) = tokio::join!(
-        async {
-            timeout(GUARD, client_ctx.connect(&url))
-                .await
-                .unwrap()
-                .unwrap()
-        },
-        async { timeout(GUARD, l.accept()).await.unwrap().unwrap() },
-    );
+    let (ch, accepted) = connected(&server_ctx, &client_ctx, url).await;
     let body = Bytes::from(vec![5u8; body]);
     let (mut tx, rx) = ch.split();
     let sent = fill(&mut tx, &body).await;
@@ -155,25 +155,15 @@ async fn shm_dropped_sender_accounts_for_every_message() {
     a_dropped_sender_accounts_for_every_message(&url, IoEngine::Auto, 1 << 20).await;
 }
 
-/// On the I/O-thread engines a dropped Sender's connection writes until it fails: here the
-/// peer reads five messages and goes without lingering (its kernel resets the connection).
+/// A dropped Sender's connection that fails before its linger is over: here the peer reads
+/// five messages and goes without lingering (its kernel resets the connection).
 /// What the peer's kernel had taken is lost with its socket (only sessions can know); what
 /// never left us is counted. How much the kernel takes first varies from run to run, so
 /// this checks that the counts never claim more than was sent and not received.
 async fn threads_engine_counts_what_a_failed_connection_never_wrote(engine: IoEngine) {
     let server_ctx = ctx_lingering(engine, Duration::ZERO);
-    let mut l = server_ctx.bind("tcp://127.0.0.1:0").await.unwrap();
-    let url = l.local_url().to_owned();
     let client_ctx = ctx(engine);
-    let (ch, mut server) = tokio::join!(
-        async {
-            timeout(GUARD, client_ctx.connect(&url))
-                .await
-                .unwrap()
-                .unwrap()
-        },
-        async { timeout(GUARD, l.accept()).await.unwrap().unwrap() },
-    );
+    let (ch, mut server) = connected(&server_ctx, &client_ctx, "tcp://127.0.0.1:0").await;
     let body = Bytes::from(vec![5u8; 64 << 10]);
     let (mut tx, rx) = ch.split();
     let sent = fill(&mut tx, &body).await;
@@ -214,22 +204,12 @@ async fn a_dropped_receiver_counts_what_it_never_read(
 ) {
     const N: u64 = 50;
     let server_ctx = ctx(engine);
-    let mut l = server_ctx.bind(url).await.unwrap();
-    let url = l.local_url().to_owned();
     let client_ctx = if one_context {
         server_ctx.clone()
     } else {
         ctx(engine)
     };
-    let (mut ch, server) = tokio::join!(
-        async {
-            timeout(GUARD, client_ctx.connect(&url))
-                .await
-                .unwrap()
-                .unwrap()
-        },
-        async { timeout(GUARD, l.accept()).await.unwrap().unwrap() },
-    );
+    let (mut ch, server) = connected(&server_ctx, &client_ctx, url).await;
     let body = Bytes::from_static(b"small");
     let writer = tokio::spawn(async move {
         for i in 0..N {
