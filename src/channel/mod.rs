@@ -37,6 +37,7 @@ pub struct ChannelInfo {
     peer: String,
     peer_limits: Limits,
     peer_identity: Option<Arc<PeerIdentity>>,
+    span: tracing::Span,
     _keepalive: Option<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -82,6 +83,46 @@ impl ChannelInfo {
     pub(crate) fn peer_identity_arc(&self) -> Option<Arc<PeerIdentity>> {
         self.peer_identity.clone()
     }
+
+    /// The channel's `tracing` span, `hf.channel` at level INFO, with the fields of
+    /// OpenTelemetry's messaging and network conventions: `messaging.system`
+    /// (`"hyperframes"`), `network.transport` (`tcp`, `unix` for shm, `inproc`, `rdma`),
+    /// `network.local.address` and `network.peer.address` (the two URLs) and `hf.channel.id`
+    /// (the number in `Debug`). `middleware::serve` (feature `tower`) runs each channel's
+    /// handler in it; a task of your own that owns a channel can do the same with
+    /// `tracing::Instrument`:
+    ///
+    /// ```no_run
+    /// # async fn f(ch: hyperframes::Channel) {
+    /// use tracing::Instrument;
+    /// let span = ch.info().span().clone();
+    /// tokio::spawn(async move { /* … use ch … */ drop(ch) }.instrument(span));
+    /// # }
+    /// ```
+    ///
+    /// Disabled (free) where no subscriber takes INFO spans of target `hyperframes`.
+    pub fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+}
+
+/// The channel's span; see [`ChannelInfo::span`].
+fn channel_span(id: u64, transport: &'static str, local: &str, peer: &str) -> tracing::Span {
+    let network = match transport {
+        "tcp" | "tls" => "tcp",
+        "shm" => "unix",
+        other => other,
+    };
+    tracing::info_span!(
+        target: "hyperframes",
+        "hf.channel",
+        messaging.system = "hyperframes",
+        network.transport = network,
+        network.protocol.name = transport,
+        network.local.address = local,
+        network.peer.address = peer,
+        hf.channel.id = id,
+    )
 }
 
 impl fmt::Debug for ChannelInfo {
@@ -152,13 +193,16 @@ impl From<ReuniteError> for Error {
 
 impl Channel {
     pub(crate) fn from_parts(parts: Parts) -> Channel {
+        let id = NEXT_CHANNEL_ID.fetch_add(1, Ordering::Relaxed);
+        let span = channel_span(id, parts.transport, &parts.local, &parts.peer);
         let info = Arc::new(ChannelInfo {
-            id: NEXT_CHANNEL_ID.fetch_add(1, Ordering::Relaxed),
+            id,
             transport: parts.transport,
             local: parts.local,
             peer: parts.peer,
             peer_limits: parts.peer_limits,
             peer_identity: parts.peer_identity,
+            span,
             _keepalive: parts.keepalive,
         });
         Channel {

@@ -75,6 +75,7 @@ use futures_util::future::{BoxFuture, poll_fn};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tower::{MakeService, Service};
+use tracing::Instrument;
 
 use super::BoxError;
 use super::log_limit::LogLimit;
@@ -434,27 +435,32 @@ async fn serve_one<F, S, E>(
     S::Error: Into<BoxError>,
 {
     let peer = channel.info().peer_url().to_owned();
-    let svc = match making.await {
-        Ok(svc) => svc,
-        Err(e) => {
-            counters.failed.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(
-                "no service for the channel with {peer}: {}; closing it",
-                e.into()
-            );
-            return;
-        }
-    };
-    let active = Active::new(counters.clone());
-    let result = conn::drive(channel, svc, max_in_flight, stop, counters.clone()).await;
-    drop(active);
-    match result {
-        Ok(()) => tracing::debug!("channel with {peer} done"),
-        Err(e) => {
-            counters.failed.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!("channel with {peer} ended: {e:#}");
+    let span = channel.info().span().clone();
+    async move {
+        let svc = match making.await {
+            Ok(svc) => svc,
+            Err(e) => {
+                counters.failed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    "no service for the channel with {peer}: {}; closing it",
+                    e.into()
+                );
+                return;
+            }
+        };
+        let active = Active::new(counters.clone());
+        let result = conn::drive(channel, svc, max_in_flight, stop, counters.clone()).await;
+        drop(active);
+        match result {
+            Ok(()) => tracing::debug!("channel with {peer} done"),
+            Err(e) => {
+                counters.failed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!("channel with {peer} ended: {e:#}");
+            }
         }
     }
+    .instrument(span)
+    .await
 }
 
 /// Counts a channel as active while it lives, whether it ends, panics or is aborted.
