@@ -68,6 +68,9 @@
 //!   listeners, a request/response `Client`, fan-out and fan-in.
 //! * `device` (feature `cuda`) — bodies in GPU memory: `Gpu`, `DeviceBody`, how each
 //!   transport carries them, and a host stand-in for testing without a GPU.
+//! * `metrics` (feature `metrics`) — counters and gauges through the `metrics` facade, for
+//!   Prometheus or OpenTelemetry exporters; every channel also has a `tracing` span
+//!   ([`ChannelInfo::span`]).
 //! * the transports, private, each behind the same two traits.
 
 #![warn(missing_docs)]
@@ -84,6 +87,10 @@ pub mod fuzzing;
 #[cfg(feature = "shm")]
 mod loom;
 pub mod message;
+#[cfg(feature = "metrics")]
+pub mod metrics;
+#[cfg(not(feature = "metrics"))]
+mod metrics;
 #[cfg(feature = "tower")]
 pub mod middleware;
 pub mod session;

@@ -38,6 +38,7 @@ pub struct ChannelInfo {
     peer_limits: Limits,
     peer_identity: Option<Arc<PeerIdentity>>,
     span: tracing::Span,
+    _open: crate::metrics::Held,
     _keepalive: Option<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -203,6 +204,7 @@ impl Channel {
             peer_limits: parts.peer_limits,
             peer_identity: parts.peer_identity,
             span,
+            _open: crate::metrics::Held::channel(parts.transport),
             _keepalive: parts.keepalive,
         });
         Channel {

@@ -264,6 +264,7 @@ impl Count {
     pub(crate) fn unsent(&self, n: u64) {
         if n > 0 && self.connections {
             self.to.unsent.fetch_add(n, Ordering::Relaxed);
+            crate::metrics::count!("hyperframes_unsent_messages_total", n);
         }
     }
 
@@ -272,12 +273,14 @@ impl Count {
     pub(crate) fn unread(&self, n: u64) {
         if n > 0 && self.connections {
             self.to.unread.fetch_add(n, Ordering::Relaxed);
+            crate::metrics::count!("hyperframes_unread_messages_total", n);
         }
     }
 
     /// `n` messages a session gave up on with nobody left to hand them back to.
     pub(crate) fn session_unsent(&self, n: u64) {
         self.to.unsent.fetch_add(n, Ordering::Relaxed);
+        crate::metrics::count!("hyperframes_unsent_messages_total", n);
     }
 
     pub(crate) fn read(&self) -> (u64, u64) {

@@ -179,6 +179,7 @@ impl Inner {
         }
         if !header.flags.contains(Flags::RESPONSE) {
             let n = self.unsolicited.fetch_add(1, Ordering::Relaxed) + 1;
+            crate::metrics::count!("hyperframes_client_unsolicited_total", 1);
             if self.log.allow().is_some() {
                 tracing::warn!(
                     "client of {}: discarded a message of type `{}` that is not a reply ({n} so far); a Client only takes replies",
@@ -242,6 +243,7 @@ impl Inner {
             _ => {
                 drop(st);
                 self.discarded.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::count!("hyperframes_client_discarded_replies_total", 1);
                 tracing::debug!(
                     "client of {}: discarded reply {id}: its request was cancelled",
                     self.peer,

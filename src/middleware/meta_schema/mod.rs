@@ -125,6 +125,7 @@ where
 #[cold]
 #[inline(never)]
 fn refuse(schema: &MetaSchema, msg: Message) -> BoxError {
+    crate::metrics::count!("hyperframes_schema_refused_total", 1);
     let mut v = schema.violation(&msg, None);
     tracing::debug!("refused: {v}");
     v.0.message = Some(msg);

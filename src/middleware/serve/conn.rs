@@ -3,7 +3,6 @@
 use std::future::Future;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::task::{Context, Poll, ready};
 
 use futures_util::StreamExt;
@@ -286,7 +285,7 @@ fn start<S: Service<Message>>(svc: &mut S, msg: Message, stats: &Counters) -> Ca
         kind: msg.kind().clone(),
         span,
     };
-    stats.calls.fetch_add(1, Ordering::Relaxed);
+    stats.calls.one();
     let future = req.span.in_scope(|| svc.call(msg));
     Call {
         request: Some(req),
@@ -325,7 +324,7 @@ async fn respond<E: Into<BoxError>>(
         Ok(None) if !req.header.flags.contains(Flags::REQUEST) => return Ok(()),
         Ok(None) => {
             // A request whose client waits: tell it there will be no reply.
-            stats.unanswered.fetch_add(1, Ordering::Relaxed);
+            stats.unanswered.one();
             req.span.in_scope(|| {
                 tracing::debug!(
                     "the handler gave no reply to a request of type `{}` from {peer}; answering with an error",
@@ -338,7 +337,7 @@ async fn respond<E: Into<BoxError>>(
         }
         Err(e) => {
             let e: BoxError = e.into();
-            stats.errors.fetch_add(1, Ordering::Relaxed);
+            stats.errors.one();
             if let Some(held) = stats.log.allow() {
                 req.span.in_scope(|| {
                     tracing::warn!(
@@ -361,12 +360,12 @@ async fn respond<E: Into<BoxError>>(
     };
     match tx.send(reply).await {
         Ok(()) => {
-            stats.responses.fetch_add(1, Ordering::Relaxed);
+            stats.responses.one();
             Ok(())
         }
         Err(mut e) if e.kind() == ErrorKind::LimitExceeded => {
             // Too large for the peer: this reply is lost, the channel is fine.
-            stats.errors.fetch_add(1, Ordering::Relaxed);
+            stats.errors.one();
             req.span
                 .in_scope(|| tracing::warn!("response to {peer} not sent: {e:#}"));
             if req.header.flags.contains(Flags::REQUEST) {

@@ -125,28 +125,65 @@ impl Incoming {
 
 #[derive(Debug)]
 pub(crate) struct Counters {
-    accepted: AtomicU64,
+    pub(super) accepted: Tally,
     active: AtomicU64,
-    failed: AtomicU64,
-    calls: AtomicU64,
-    responses: AtomicU64,
-    errors: AtomicU64,
-    unanswered: AtomicU64,
+    pub(super) failed: Tally,
+    pub(super) calls: Tally,
+    pub(super) responses: Tally,
+    pub(super) errors: Tally,
+    pub(super) unanswered: Tally,
     log: LogLimit,
 }
 
 impl Default for Counters {
     fn default() -> Counters {
         Counters {
-            accepted: AtomicU64::new(0),
+            accepted: Tally::new("hyperframes_serve_channels_accepted_total"),
             active: AtomicU64::new(0),
-            failed: AtomicU64::new(0),
-            calls: AtomicU64::new(0),
-            responses: AtomicU64::new(0),
-            errors: AtomicU64::new(0),
-            unanswered: AtomicU64::new(0),
+            failed: Tally::new("hyperframes_serve_channels_failed_total"),
+            calls: Tally::new("hyperframes_serve_calls_total"),
+            responses: Tally::new("hyperframes_serve_responses_total"),
+            errors: Tally::new("hyperframes_serve_errors_total"),
+            unanswered: Tally::new("hyperframes_serve_unanswered_total"),
             log: LogLimit::new(Duration::from_secs(1)),
         }
+    }
+}
+
+/// A count read through [`ServeStats`], and exported as the counter it was made with
+/// (feature `metrics`; see [`crate::metrics`]).
+pub(crate) struct Tally {
+    n: AtomicU64,
+    exported: crate::metrics::Counter,
+}
+
+impl Tally {
+    fn new(name: &'static str) -> Tally {
+        Tally {
+            n: AtomicU64::new(0),
+            exported: crate::metrics::Counter::new(name),
+        }
+    }
+
+    #[inline]
+    pub(super) fn one(&self) {
+        self.add(1);
+    }
+
+    #[inline]
+    pub(super) fn add(&self, n: u64) {
+        self.n.fetch_add(n, Ordering::Relaxed);
+        self.exported.add(n);
+    }
+
+    fn get(&self) -> u64 {
+        self.n.load(Ordering::Relaxed)
+    }
+}
+
+impl fmt::Debug for Tally {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.get().fmt(f)
     }
 }
 
@@ -159,7 +196,7 @@ pub struct ServeStats {
 impl ServeStats {
     /// Channels accepted.
     pub fn accepted(&self) -> u64 {
-        self.counters.accepted.load(Ordering::Relaxed)
+        self.counters.accepted.get()
     }
 
     /// Channels being served now.
@@ -170,29 +207,29 @@ impl ServeStats {
     /// Channels that ended in failure: a broken connection, a failed handler, a panic, a
     /// make-service error, cut off at the drain timeout.
     pub fn failed(&self) -> u64 {
-        self.counters.failed.load(Ordering::Relaxed)
+        self.counters.failed.get()
     }
 
     /// Messages handed to handlers.
     pub fn calls(&self) -> u64 {
-        self.counters.calls.load(Ordering::Relaxed)
+        self.counters.calls.get()
     }
 
     /// Replies sent (error replies included).
     pub fn responses(&self) -> u64 {
-        self.counters.responses.load(Ordering::Relaxed)
+        self.counters.responses.get()
     }
 
     /// Calls that failed (and replies too large for the peer).
     pub fn errors(&self) -> u64 {
-        self.counters.errors.load(Ordering::Relaxed)
+        self.counters.errors.get()
     }
 
     /// Requests ([`Flags::REQUEST`](crate::Flags::REQUEST)) whose handler answered `Ok(None)`
     /// — dropped by a [`Discard`](crate::middleware::type_filter::Discard) filter, say — and
     /// which got an error reply instead, so that the client does not wait for nothing.
     pub fn unanswered(&self) -> u64 {
-        self.counters.unanswered.load(Ordering::Relaxed)
+        self.counters.unanswered.get()
     }
 }
 
@@ -362,7 +399,7 @@ where
             Some(done) = channels.join_next(), if !channels.is_empty() => note_panic(done, &counters),
             accepted = listener.accept() => match accepted {
                 Ok(channel) => {
-                    counters.accepted.fetch_add(1, Ordering::Relaxed);
+                    counters.accepted.one();
                     // A make-service that is slow to be ready must not hold up a shutdown.
                     let ready = tokio::select! {
                         biased;
@@ -404,9 +441,7 @@ where
             "serve {local}: {} of {busy} channels still busy after the drain timeout ({drain_timeout:?}); cutting them off",
             channels.len()
         );
-        counters
-            .failed
-            .fetch_add(channels.len() as u64, Ordering::Relaxed);
+        counters.failed.add(channels.len() as u64);
         channels.abort_all();
         while channels.join_next().await.is_some() {}
     }
@@ -417,7 +452,7 @@ fn note_panic(done: std::result::Result<(), tokio::task::JoinError>, counters: &
     if let Err(e) = done
         && e.is_panic()
     {
-        counters.failed.fetch_add(1, Ordering::Relaxed);
+        counters.failed.one();
         tracing::error!("a channel's handler panicked; that channel is closed, the others go on");
     }
 }
@@ -440,7 +475,7 @@ async fn serve_one<F, S, E>(
         let svc = match making.await {
             Ok(svc) => svc,
             Err(e) => {
-                counters.failed.fetch_add(1, Ordering::Relaxed);
+                counters.failed.one();
                 tracing::warn!(
                     "no service for the channel with {peer}: {}; closing it",
                     e.into()
@@ -454,7 +489,7 @@ async fn serve_one<F, S, E>(
         match result {
             Ok(()) => tracing::debug!("channel with {peer} done"),
             Err(e) => {
-                counters.failed.fetch_add(1, Ordering::Relaxed);
+                counters.failed.one();
                 tracing::warn!("channel with {peer} ended: {e:#}");
             }
         }
@@ -464,18 +499,24 @@ async fn serve_one<F, S, E>(
 }
 
 /// Counts a channel as active while it lives, whether it ends, panics or is aborted.
-struct Active(Arc<Counters>);
+struct Active {
+    counters: Arc<Counters>,
+    _gauge: crate::metrics::Held,
+}
 
 impl Active {
     fn new(counters: Arc<Counters>) -> Active {
         counters.active.fetch_add(1, Ordering::Relaxed);
-        Active(counters)
+        Active {
+            counters,
+            _gauge: crate::metrics::Held::gauge("hyperframes_serve_channels_active"),
+        }
     }
 }
 
 impl Drop for Active {
     fn drop(&mut self) {
-        self.0.active.fetch_sub(1, Ordering::Relaxed);
+        self.counters.active.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

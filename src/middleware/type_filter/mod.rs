@@ -142,6 +142,12 @@ impl FilterStats {
 }
 
 impl Config {
+    /// The filter's name as the `filter` label of its metrics, empty when it has none.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    fn label(&self) -> String {
+        self.name.as_deref().unwrap_or_default().to_owned()
+    }
+
     pub(super) fn new(patterns: PatternSet) -> Config {
         Config {
             patterns,
@@ -216,6 +222,7 @@ impl<S, P> TypeFilter<S, P> {
     #[inline(never)]
     fn unmatched(&self, msg: &Message) {
         self.counters.unmatched.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::count!("hyperframes_filter_unmatched_total", 1, "filter" => self.config.label());
         tracing::trace!(
             "{}: message of type `{}` matches no pattern",
             self.config.describe(),
@@ -228,6 +235,7 @@ impl<S, P> TypeFilter<S, P> {
     fn reject(&self, msg: Message) -> BoxError {
         self.unmatched(&msg);
         self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::count!("hyperframes_filter_rejected_total", 1, "filter" => self.config.label());
         Box::new(Unmatched {
             kind: msg.kind().clone(),
             patterns: self.config.patterns.shown().into(),
@@ -241,6 +249,7 @@ impl<S, P> TypeFilter<S, P> {
     fn discard(&self, msg: Message) {
         self.unmatched(&msg);
         let n = self.counters.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+        crate::metrics::count!("hyperframes_filter_discarded_total", 1, "filter" => self.config.label());
         if let Some(held_back) = self.config.log.allow() {
             let more = if held_back > 0 {
                 format!(", {held_back} of them since the last warning")
@@ -340,6 +349,7 @@ where
         } else {
             self.unmatched(&msg);
             self.counters.to_fallback.fetch_add(1, Ordering::Relaxed);
+            crate::metrics::count!("hyperframes_filter_to_fallback_total", 1, "filter" => self.config.label());
             ResponseFuture::fallback(self.policy.service.call(msg))
         }
     }
