@@ -60,7 +60,7 @@
 //!   void. Messages already in flight are discarded, counted and logged.
 //!
 //! # Organization
-//! * [`message`] — `Message`, `MsgType`, `Meta`, `Body`.
+//! * [`message`] — `Message`, `MsgType`, `Meta`, `Body` (serde forms with feature `serde`).
 //! * [`wire`] — the byte format of stream transports, sans-IO, specified in its docs.
 //! * the channel layer — [`Context`], [`Listener`], [`Channel`], [`Sender`], [`Receiver`].
 //! * [`middleware`] (feature `tower`, on by default) — everything message-shaped as a

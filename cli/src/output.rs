@@ -5,7 +5,8 @@ use std::fmt::Write as _;
 use std::io::{self, Write as _};
 use std::sync::Mutex;
 
-use hyperframes::{Message, escape_untrusted};
+use hyperframes::{Message, Meta, MsgType, escape_untrusted};
+use serde::Serialize;
 use sha2::{Digest, Sha256};
 use tokio::sync::Notify;
 
@@ -21,13 +22,13 @@ pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
     hex
 }
 
-/// A JSON string literal for `s` (quotes and escapes included). serde_json escapes what JSON
-/// requires (`"`, `\\`, U+0000–U+001F); what a terminal would still act on — DEL, the C1
-/// controls (U+009B is a CSI), bidirectional overrides, line separators: the characters
-/// `escape_untrusted` escapes — is written as `\uXXXX` too, so the line stays valid JSON
-/// that decodes to the same string and shows as it is.
-pub(crate) fn json_str(s: &str) -> String {
-    let json = serde_json::to_string(s).expect("a str always serializes");
+/// `json` (serde_json's output) with what a terminal would still act on written as `\uXXXX`:
+/// serde_json escapes what JSON requires (`"`, `\\`, U+0000–U+001F), but DEL, the C1
+/// controls (U+009B is a CSI), bidirectional overrides and line separators — the characters
+/// `escape_untrusted` escapes — pass through. They can only be inside strings (the rest of
+/// the line is ASCII punctuation, digits and `null`), where the escape decodes to the same
+/// character: the line stays valid JSON of the same value, and shows as it is.
+fn terminal_safe(json: String) -> String {
     if matches!(escape_untrusted(&json), Cow::Borrowed(_)) {
         return json;
     }
@@ -43,37 +44,28 @@ pub(crate) fn json_str(s: &str) -> String {
     out
 }
 
+/// What `hf listen` prints of a message (the type and metadata through hyperframes' serde
+/// forms, the metadata in the message's order).
+#[derive(Serialize)]
+struct Line<'a> {
+    #[serde(rename = "type")]
+    kind: &'a MsgType,
+    meta: &'a Meta,
+    len: usize,
+    /// `None` (`null`) for a body outside host memory.
+    sha256: Option<String>,
+}
+
 /// The JSON line for `msg`, without the newline:
 /// `{"type":"a.b","meta":{"k":"v"},"len":3,"sha256":"…"}`.
-///
-/// The metadata object keeps the message's order, which `serde_json::Map` (sorted without
-/// its `preserve_order` feature) would not, so the object is assembled here; every key and
-/// value is still escaped by serde_json. A body outside host memory has `"sha256":null`.
 pub(crate) fn json_line(msg: &Message) -> String {
-    let mut line = String::with_capacity(128);
-    line.push_str("{\"type\":");
-    line.push_str(&json_str(msg.kind().as_str()));
-    line.push_str(",\"meta\":{");
-    for (i, (key, value)) in msg.meta().iter().enumerate() {
-        if i > 0 {
-            line.push(',');
-        }
-        line.push_str(&json_str(key));
-        line.push(':');
-        line.push_str(&json_str(value));
-    }
-    let body = msg.body();
-    let _ = write!(line, "}},\"len\":{},\"sha256\":", body.len());
-    match body.as_bytes() {
-        Some(bytes) => {
-            line.push('"');
-            line.push_str(&sha256_hex(bytes));
-            line.push('"');
-        }
-        None => line.push_str("null"),
-    }
-    line.push('}');
-    line
+    let line = Line {
+        kind: msg.kind(),
+        meta: msg.meta(),
+        len: msg.body().len(),
+        sha256: msg.body().as_bytes().map(|b| sha256_hex(b)),
+    };
+    terminal_safe(serde_json::to_string(&line).expect("strings and numbers always serialize"))
 }
 
 /// Flushes stdout, ignoring errors (used on the way out).
@@ -227,6 +219,7 @@ mod tests {
         );
         let v: serde_json::Value = serde_json::from_str(&line).unwrap();
         assert_eq!(v["meta"]["k"], hostile);
-        assert_eq!(json_str("plain ✓"), "\"plain ✓\"");
+        let plain = "\"plain ✓\"".to_owned();
+        assert_eq!(terminal_safe(plain.clone()), plain);
     }
 }

@@ -284,6 +284,22 @@ impl Meta {
         Ok(())
     }
 
+    /// Appends `key`, which the caller knows is not in the map, validated: O(1) amortized,
+    /// where `insert` looks for the key first.
+    #[cfg(feature = "serde")]
+    pub(crate) fn push_new(&mut self, key: &str, value: &str) -> Result<(), InvalidMeta> {
+        validate_key(key.as_bytes())?;
+        validate_value(key.as_bytes(), value.as_bytes())?;
+        let count = self.len() + 1;
+        if count > Meta::MAX_ENTRIES {
+            return Err(InvalidMeta::TooManyEntries {
+                max: Meta::MAX_ENTRIES,
+            });
+        }
+        self.append(count, key, value);
+        Ok(())
+    }
+
     /// Appends an entry (a key not in the map; `count` the new number of entries): in place
     /// when this map holds the only reference to its encoding (a map being built), so that
     /// adding N entries costs O(N), not O(N²).

@@ -16,6 +16,8 @@
 mod body;
 mod kind;
 mod meta;
+#[cfg(feature = "serde")]
+mod serde;
 
 pub use body::{Body, BodyMut, Location};
 #[cfg(any(feature = "shm", feature = "rdma"))]
