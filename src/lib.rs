@@ -74,12 +74,15 @@
 //! * the transports, private, each behind the same two traits.
 
 #![warn(missing_docs)]
+// docs.rs builds with every feature and shows which one each item needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(not(target_pointer_width = "64"))]
 compile_error!("hyperframes supports 64-bit targets only");
 
 mod channel;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod device;
 mod error;
 #[doc(hidden)]
@@ -88,10 +91,12 @@ pub mod fuzzing;
 mod loom;
 pub mod message;
 #[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub mod metrics;
 #[cfg(not(feature = "metrics"))]
 mod metrics;
 #[cfg(feature = "tower")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
 pub mod middleware;
 pub mod session;
 mod text;
@@ -108,6 +113,7 @@ pub mod wire;
 /// [`Channel`]s over any verbs backend (the simulation, in tests). Applications use
 /// `rdma://` URLs and never need this module.
 #[cfg(feature = "rdma")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rdma")))]
 pub mod rdma {
     pub use crate::transport::rdma::driver::RdmaConfig;
     pub use crate::transport::rdma::{pool, proto, sim, verbs};

@@ -176,6 +176,7 @@ impl ContextBuilder {
     /// `gpu` (a handler gets a device body without staging by hand), or host memory (the
     /// default). [`Receiver::land_on`](crate::Receiver::land_on) changes it per channel.
     #[cfg(feature = "cuda")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
     pub fn land_on(mut self, gpu: crate::device::Gpu) -> Self {
         self.cfg.landing = Some(gpu);
         self
@@ -314,7 +315,7 @@ impl ContextBuilder {
     /// `interval` while it can write (a 24-byte `HEARTBEAT` frame on tcp, a counter in the
     /// shared segment on shm, when it has nothing else to send; on rdma a counter in the
     /// region the peer's keepalive reads, advanced every
-    /// [`rdma_keepalive`](Self::rdma_keepalive) instead), and a peer that promised so is declared lost
+    /// `rdma_keepalive` instead), and a peer that promised so is declared lost
     /// after `misses` of its intervals with nothing heard: both halves fail with
     /// [`ErrorKind::ConnectionLost`] naming the peer and how long it was silent. Silence
     /// counts only while this side reads, so a receiver that stops reading (backpressure)
@@ -386,9 +387,11 @@ impl ContextBuilder {
     /// descriptors per direction (a power of two; default 4096) and body arena bytes per
     /// direction (a multiple of 4 KiB; default 32 MiB). Bodies larger than the arena travel
     /// as memfds of their own.
+    #[cfg(feature = "shm")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
     pub fn shm_segment(mut self, ring_entries: u32, arena_bytes: u64) -> Self {
-        self.cfg.shm_ring_entries = ring_entries;
-        self.cfg.shm_arena_bytes = arena_bytes;
+        self.cfg.shm.ring_entries = ring_entries;
+        self.cfg.shm.arena_bytes = arena_bytes;
         self
     }
 
@@ -397,8 +400,10 @@ impl ContextBuilder {
     /// connectable by every user (mode 0666; put it in a directory they can reach), and
     /// bodies are copied on receive unless [`shm_zero_copy`](Self::shm_zero_copy) says
     /// otherwise.
+    #[cfg(feature = "shm")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
     pub fn shm_allow_any_user(mut self, allow: bool) -> Self {
-        self.cfg.shm_any_uid = allow;
+        self.cfg.shm.any_uid = allow;
         self
     }
 
@@ -410,8 +415,10 @@ impl ContextBuilder {
     /// [`shm_allow_any_user`](Self::shm_allow_any_user). Off: received bodies are copied out
     /// of the arena and `alloc` lends heap memory (one copy each way). Bodies larger than the
     /// arena are sealed memfds, immutable, and never copied on receive.
+    #[cfg(feature = "shm")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "shm")))]
     pub fn shm_zero_copy(mut self, on: bool) -> Self {
-        self.cfg.shm_zero_copy = Some(on);
+        self.cfg.shm.zero_copy = Some(on);
         self
     }
 
@@ -420,9 +427,11 @@ impl ContextBuilder {
     /// metadata and body fit one buffer go in one send; larger bodies by rendezvous (the
     /// receiver reads them with RDMA read). The size must hold the largest type and metadata
     /// (`max_meta_bytes` + 319 bytes).
+    #[cfg(feature = "rdma")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "rdma")))]
     pub fn rdma_buffers(mut self, slots: u32, slot_bytes: u32) -> Self {
-        self.cfg.rdma_recv_slots = slots;
-        self.cfg.rdma_slot_size = slot_bytes;
+        self.cfg.rdma.recv_slots = slots;
+        self.cfg.rdma.slot_size = slot_bytes;
         self
     }
 
@@ -430,16 +439,20 @@ impl ContextBuilder {
     /// (sent by rendezvous, and received), in bytes. Default 256 MiB, registered as needed
     /// and reused; at least one `max_body` (rounded up to a power of two). When it is used
     /// up, senders wait (backpressure), nothing fails.
+    #[cfg(feature = "rdma")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "rdma")))]
     pub fn rdma_pool_bytes(mut self, bytes: u64) -> Self {
-        self.cfg.rdma_pool_bytes = bytes;
+        self.cfg.rdma.pool_bytes = bytes;
         self
     }
 
     /// `rdma://` (feature `rdma`): how long a connection may be idle before the peer is
     /// probed with an RDMA read (a dead peer fails it: `ConnectionLost` on both halves).
     /// Default 1 s.
+    #[cfg(feature = "rdma")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "rdma")))]
     pub fn rdma_keepalive(mut self, idle: Duration) -> Self {
-        self.cfg.rdma_keepalive = idle;
+        self.cfg.rdma.keepalive = idle;
         self
     }
 
@@ -447,6 +460,7 @@ impl ContextBuilder {
     /// accepts; see [`TlsConfig`](crate::TlsConfig). Without it, binding or connecting to
     /// `tls://` fails with [`ErrorKind::Config`]. Default: none.
     #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
     pub fn tls(mut self, tls: crate::TlsConfig) -> Self {
         self.cfg.tls = Some(tls);
         self
@@ -482,21 +496,6 @@ impl ContextBuilder {
         if c.send_queue > 1 << 20 || c.recv_queue > 1 << 20 {
             return bad("queues hold at most 1 Mi messages".into());
         }
-        if !c.shm_ring_entries.is_power_of_two() || c.shm_ring_entries > 1 << 20 {
-            return bad(format!(
-                "shm ring entries is {}; use a power of two up to 2^20",
-                c.shm_ring_entries
-            ));
-        }
-        if c.shm_arena_bytes < 4096
-            || !c.shm_arena_bytes.is_multiple_of(4096)
-            || c.shm_arena_bytes > 1 << 40
-        {
-            return bad(format!(
-                "shm arena is {} bytes; use a multiple of 4096 between 4 KiB and 1 TiB",
-                c.shm_arena_bytes
-            ));
-        }
         if c.handshake_timeout.is_zero() || c.connect_timeout.is_zero() || c.stall_timeout.is_zero()
         {
             return bad("timeouts must be longer than zero".into());
@@ -514,13 +513,11 @@ impl ContextBuilder {
         if c.heartbeat_misses < 2 {
             return bad("heartbeat misses must be at least 2".into());
         }
+        // Each transport checks its own settings.
+        #[cfg(feature = "shm")]
+        c.shm.validate()?;
         #[cfg(feature = "rdma")]
-        {
-            if c.rdma_keepalive.is_zero() {
-                return bad("the rdma keepalive must be longer than zero".into());
-            }
-            crate::transport::rdma::config(c).validate()?;
-        }
+        crate::transport::rdma::validate(c)?;
         Ok(Context {
             inner: Arc::new(Transports::new(self.cfg)),
         })
@@ -548,5 +545,25 @@ mod tests {
         let ctx = Context::builder().max_meta_entries(4).build().unwrap();
         assert_eq!(ctx.limits().max_meta_entries, 4);
         assert_eq!(ctx.io_engine(), None);
+    }
+
+    /// The shm settings are checked by the shm transport's own `validate`, through `build`.
+    #[cfg(feature = "shm")]
+    #[test]
+    fn builder_validates_the_shm_settings() {
+        for (entries, arena, says) in [
+            (3, 1 << 20, "power of two"),
+            (1 << 21, 1 << 20, "power of two"),
+            (256, 4097, "multiple of 4096"),
+            (256, 0, "multiple of 4096"),
+        ] {
+            let err = Context::builder()
+                .shm_segment(entries, arena)
+                .build()
+                .unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Config);
+            assert!(err.to_string().contains(says), "{err}");
+        }
+        assert!(Context::builder().shm_segment(16, 64 << 10).build().is_ok());
     }
 }

@@ -151,15 +151,12 @@ pub(crate) struct Config {
     pub(crate) idle_timeout: Option<Duration>,
     pub(crate) linger: Duration,
     pub(crate) busy_poll: bool,
-    pub(crate) shm_ring_entries: u32,
-    pub(crate) shm_arena_bytes: u64,
-    pub(crate) shm_any_uid: bool,
-    /// Zero-copy views of shared memory; `None`: for same-user peers only.
-    pub(crate) shm_zero_copy: Option<bool>,
-    pub(crate) rdma_recv_slots: u32,
-    pub(crate) rdma_slot_size: u32,
-    pub(crate) rdma_pool_bytes: u64,
-    pub(crate) rdma_keepalive: Duration,
+    /// `shm://`'s own settings, kept in its folder.
+    #[cfg(feature = "shm")]
+    pub(crate) shm: shm::ShmConfig,
+    /// `rdma://`'s own settings, kept in its folder.
+    #[cfg(feature = "rdma")]
+    pub(crate) rdma: rdma::RdmaSettings,
     /// Acknowledged delivery and reconnect (`connect_with`, `bind_sessions`).
     pub(crate) session: crate::session::SessionConfig,
     /// `tls://`: certificates and trust.
@@ -196,14 +193,10 @@ impl Default for Config {
             idle_timeout: Some(Duration::from_secs(120)),
             linger: Duration::from_secs(5),
             busy_poll: false,
-            shm_ring_entries: 4096,
-            shm_arena_bytes: 32 << 20,
-            shm_any_uid: false,
-            shm_zero_copy: None,
-            rdma_recv_slots: 64,
-            rdma_slot_size: 8192 + 512,
-            rdma_pool_bytes: 256 << 20,
-            rdma_keepalive: Duration::from_secs(1),
+            #[cfg(feature = "shm")]
+            shm: shm::ShmConfig::default(),
+            #[cfg(feature = "rdma")]
+            rdma: rdma::RdmaSettings::default(),
             session: crate::session::SessionConfig::default(),
             #[cfg(feature = "tls")]
             tls: None,

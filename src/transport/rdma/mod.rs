@@ -42,16 +42,49 @@ use driver::Driver;
 pub(crate) use driver::RdmaConfig;
 use verbs::Verbs;
 
+/// `rdma://`'s settings of a context (set through `ContextBuilder::rdma_*`); the rest of
+/// a connection's [`RdmaConfig`] comes from the context's common settings.
+#[derive(Clone, Debug)]
+pub(crate) struct RdmaSettings {
+    pub(crate) recv_slots: u32,
+    pub(crate) slot_size: u32,
+    pub(crate) pool_bytes: u64,
+    pub(crate) keepalive: std::time::Duration,
+}
+
+impl Default for RdmaSettings {
+    fn default() -> RdmaSettings {
+        let d = RdmaConfig::default();
+        RdmaSettings {
+            recv_slots: d.recv_slots,
+            slot_size: d.slot_size,
+            pool_bytes: d.pool_bytes,
+            keepalive: d.keepalive,
+        }
+    }
+}
+
+/// Checks the RDMA settings of `cfg` (by `ContextBuilder::build`).
+pub(crate) fn validate(cfg: &Config) -> Result<()> {
+    if cfg.rdma.keepalive.is_zero() {
+        return Err(Error::new(
+            ErrorKind::Config,
+            "the rdma keepalive must be longer than zero",
+        ));
+    }
+    config(cfg).validate()
+}
+
 /// The RDMA settings of a context.
 pub(crate) fn config(cfg: &Config) -> RdmaConfig {
     RdmaConfig {
-        recv_slots: cfg.rdma_recv_slots,
-        slot_size: cfg.rdma_slot_size,
-        pool_bytes: cfg.rdma_pool_bytes,
+        recv_slots: cfg.rdma.recv_slots,
+        slot_size: cfg.rdma.slot_size,
+        pool_bytes: cfg.rdma.pool_bytes,
         send_queue: cfg.send_queue,
         recv_queue: cfg.recv_queue,
         recv_queue_bytes: cfg.recv_queue_bytes,
-        keepalive: cfg.rdma_keepalive,
+        keepalive: cfg.rdma.keepalive,
         heartbeat_misses: if cfg.heartbeat.is_some() {
             cfg.heartbeat_misses
         } else {

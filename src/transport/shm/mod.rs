@@ -72,10 +72,57 @@ fn socket_path(name: &str) -> Result<PathBuf> {
     Ok(rendezvous::runtime_dir()?.join(format!("{name}.sock")))
 }
 
+/// `shm://`'s settings of a context (set through `ContextBuilder::shm_*`).
+#[derive(Clone, Debug)]
+pub(crate) struct ShmConfig {
+    /// Descriptors per direction of the segments this side creates (a power of two).
+    pub(crate) ring_entries: u32,
+    /// Body arena bytes per direction (a multiple of 4 KiB).
+    pub(crate) arena_bytes: u64,
+    /// Peers of any user admitted, not only this process's own.
+    pub(crate) any_uid: bool,
+    /// Zero-copy views of shared memory; `None`: for same-user peers only.
+    pub(crate) zero_copy: Option<bool>,
+}
+
+impl Default for ShmConfig {
+    fn default() -> ShmConfig {
+        ShmConfig {
+            ring_entries: 4096,
+            arena_bytes: 32 << 20,
+            any_uid: false,
+            zero_copy: None,
+        }
+    }
+}
+
+impl ShmConfig {
+    /// Checked by `ContextBuilder::build`.
+    pub(crate) fn validate(&self) -> Result<()> {
+        let bad = |what: String| Err(Error::new(ErrorKind::Config, what));
+        if !self.ring_entries.is_power_of_two() || self.ring_entries > 1 << 20 {
+            return bad(format!(
+                "shm ring entries is {}; use a power of two up to 2^20",
+                self.ring_entries
+            ));
+        }
+        if self.arena_bytes < 4096
+            || !self.arena_bytes.is_multiple_of(4096)
+            || self.arena_bytes > 1 << 40
+        {
+            return bad(format!(
+                "shm arena is {} bytes; use a multiple of 4096 between 4 KiB and 1 TiB",
+                self.arena_bytes
+            ));
+        }
+        Ok(())
+    }
+}
+
 fn geometry(cfg: &Config) -> Geometry {
     Geometry {
-        ring_entries: cfg.shm_ring_entries,
-        arena_len: cfg.shm_arena_bytes,
+        ring_entries: cfg.shm.ring_entries,
+        arena_len: cfg.shm.arena_bytes,
     }
 }
 
@@ -101,7 +148,7 @@ fn parts(
 
 /// Whether bodies are zero-copy views of shared memory (see *Trust*).
 fn zero_copy(cfg: &Config) -> bool {
-    cfg.shm_zero_copy.unwrap_or(!cfg.shm_any_uid)
+    cfg.shm.zero_copy.unwrap_or(!cfg.shm.any_uid)
 }
 
 pub(crate) async fn connect(name: &str, cfg: &Config) -> Result<Parts> {
@@ -123,7 +170,7 @@ pub(crate) async fn connect(name: &str, cfg: &Config) -> Result<Parts> {
             err
         }
     })?;
-    let cred = rendezvous::check_peer(&uds, cfg.shm_any_uid)?;
+    let cred = rendezvous::check_peer(&uds, cfg.shm.any_uid)?;
     let (hello, fds) =
         tokio::time::timeout(cfg.handshake_timeout, rendezvous::connector_hello(&uds))
             .await
@@ -166,7 +213,7 @@ pub(crate) async fn bind(name: &str, cfg: &Config) -> Result<(Box<dyn AcceptHalf
     let rt = runtime()?;
     let url = format!("shm://{name}");
     let path = socket_path(name)?;
-    let (listener, file) = rendezvous::bind(&path, cfg.shm_any_uid)?;
+    let (listener, file) = rendezvous::bind(&path, cfg.shm.any_uid)?;
     let (tx, rx) = mpsc::channel(cfg.accept_backlog);
     let rejected = Arc::new(AtomicU64::new(0));
     let (cfg, counter, spawner, local) = (cfg.clone(), rejected.clone(), rt.clone(), url.clone());
@@ -219,7 +266,7 @@ pub(crate) async fn bind(name: &str, cfg: &Config) -> Result<(Box<dyn AcceptHalf
 }
 
 async fn accept(uds: tokio::net::UnixStream, cfg: &Config, url: &str) -> Result<Parts> {
-    let cred = rendezvous::check_peer(&uds, cfg.shm_any_uid)?;
+    let cred = rendezvous::check_peer(&uds, cfg.shm.any_uid)?;
     let (seg, memfd) = Segment::create(geometry(cfg))?;
     let (data, data_theirs) = rendezvous::wake_pair()?;
     let (space, space_theirs) = rendezvous::wake_pair()?;
