@@ -87,7 +87,6 @@ pub mod device;
 mod error;
 #[doc(hidden)]
 pub mod fuzzing;
-#[cfg(feature = "shm")]
 mod loom;
 pub mod message;
 #[cfg(feature = "metrics")]

@@ -7,17 +7,38 @@
 #[cfg(hyperframes_loom)]
 pub(crate) mod sync {
     pub(crate) use loom::cell::UnsafeCell;
-    pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+    pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
+
+    /// loom's waker cell, with the signature of futures' (`register` by reference).
+    #[derive(Debug, Default)]
+    pub(crate) struct AtomicWaker(loom::future::AtomicWaker);
+
+    impl AtomicWaker {
+        pub(crate) fn new() -> AtomicWaker {
+            AtomicWaker(loom::future::AtomicWaker::new())
+        }
+
+        pub(crate) fn register(&self, waker: &std::task::Waker) {
+            self.0.register_by_ref(waker);
+        }
+
+        pub(crate) fn wake(&self) {
+            self.0.wake();
+        }
+    }
 }
 
 #[cfg(not(hyperframes_loom))]
+#[cfg_attr(not(feature = "shm"), allow(unused_imports))]
 pub(crate) mod sync {
-    pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+    pub(crate) use futures_util::task::AtomicWaker;
+    pub(crate) use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
 }
 
 /// Aligns `T` to 128 bytes, the unit of false sharing on x86-64 (a pair of 64-byte lines is
 /// prefetched together) and the cache line of Apple's ARM cores. `repr(C)` so that its layout
 /// is fixed, for shared memory.
+#[cfg_attr(not(feature = "shm"), allow(dead_code))]
 #[repr(C, align(128))]
 #[derive(Debug, Default)]
 pub(crate) struct Padded<T>(pub(crate) T);

@@ -19,18 +19,18 @@
 //! Bounded by messages and by body bytes. One batch is always admitted into an empty pipe,
 //! however large, and a producer that found room may push one batch past the bounds (a
 //! batch is at most what one read or one `Sink` staging holds).
-
 // tcp, inproc and sessions each use part of this module; a build without some of them
 // leaves the rest.
 #![cfg_attr(not(all(feature = "tcp", feature = "inproc")), allow(dead_code))]
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
 use std::task::{Context, Poll};
 
 use crossbeam_queue::ArrayQueue;
 use crossbeam_utils::CachePadded;
-use futures_util::task::AtomicWaker;
+
+// Every atomic of the protocol through the seam, so that `loom_models` below checks it.
+use crate::loom::sync::{AtomicBool, AtomicU64, AtomicWaker, Ordering, fence};
 
 use crate::Message;
 
@@ -133,8 +133,10 @@ struct Counters {
 
 /// A number naming the calling thread; never 0.
 fn thread_tag() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    thread_local!(static TAG: u64 = NEXT.fetch_add(1, Ordering::Relaxed));
+    // A process-wide counter, outside the protocol (and a `static`, which loom's atomics
+    // cannot be).
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    thread_local!(static TAG: u64 = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
     TAG.with(|t| *t)
 }
 
@@ -528,7 +530,7 @@ impl Drop for Unbatcher {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(hyperframes_loom)))]
 mod tests {
     use super::*;
     use bytes::Bytes;
@@ -658,5 +660,87 @@ mod tests {
             }
             std::thread::park();
         }
+    }
+}
+
+/// The wake-up protocol under loom's model checker (`RUSTFLAGS="--cfg hyperframes_loom"
+/// cargo test --release --lib loom_models`): every interleaving of the two sides' atomic
+/// operations, up to loom's preemption bound. A lost wake-up leaves `block_on` parked with
+/// nothing left to run, which loom reports as a deadlock; a missing Release/Acquire or
+/// fence lets it show a side a stale counter or flag. (The queue itself is crossbeam's,
+/// tested by crossbeam; its operations are atomic steps here.)
+#[cfg(all(test, hyperframes_loom))]
+mod loom_models {
+    use super::*;
+    use futures_util::future::poll_fn;
+    use loom::future::block_on;
+
+    fn msg() -> Message {
+        Message::new("t").unwrap()
+    }
+
+    /// Pops until the producer closes; returns how many messages came.
+    fn drain(c: &mut Consumer) -> usize {
+        let mut n = 0;
+        while let Some(item) = block_on(poll_fn(|cx| c.poll_pop(cx))) {
+            n += match item {
+                Item::One(_) => 1,
+                Item::Many(v) => v.len(),
+            };
+        }
+        n
+    }
+
+    /// A consumer that sleeps is woken by a push made concurrently, and by the close after
+    /// it, and sees the push before the end.
+    #[test]
+    fn a_sleeping_consumer_is_woken_by_push_and_close() {
+        loom::model(|| {
+            let pipe = Pipe::new(4, 1 << 20);
+            let mut p = Producer::new(pipe.clone());
+            let mut c = Consumer::new(pipe);
+            let t = loom::thread::spawn(move || {
+                p.push(Item::One(msg())).unwrap();
+                p.close();
+            });
+            assert_eq!(drain(&mut c), 1);
+            t.join().unwrap();
+        });
+    }
+
+    /// A producer that waits for room (a pipe of one message) is woken by the consumer's
+    /// pop, every time: both messages arrive.
+    #[test]
+    fn a_producer_waiting_for_room_is_woken_by_the_pop() {
+        loom::model(|| {
+            let pipe = Pipe::new(1, 1 << 20);
+            let mut p = Producer::new(pipe.clone());
+            let mut c = Consumer::new(pipe);
+            let t = loom::thread::spawn(move || {
+                for _ in 0..2 {
+                    block_on(poll_fn(|cx| p.poll_room(cx)));
+                    assert!(!p.pipe().is_rx_closed());
+                    p.push(Item::One(msg())).unwrap();
+                }
+                p.close();
+            });
+            assert_eq!(drain(&mut c), 2);
+            t.join().unwrap();
+        });
+    }
+
+    /// A producer waiting for room is released when the consumer goes away instead.
+    #[test]
+    fn a_producer_waiting_for_room_is_released_by_the_consumers_close() {
+        loom::model(|| {
+            let pipe = Pipe::new(1, 1 << 20);
+            let mut p = Producer::new(pipe.clone());
+            let c = Consumer::new(pipe);
+            p.push(Item::One(msg())).unwrap();
+            let t = loom::thread::spawn(move || c.close());
+            block_on(poll_fn(|cx| p.poll_room(cx)));
+            assert!(p.pipe().is_rx_closed() || p.has_room());
+            t.join().unwrap();
+        });
     }
 }
