@@ -120,7 +120,8 @@ pub mod rdma {
     use crate::{Channel, Result};
 
     /// A connected pair of channels over `a` and `b` (the two sides of one connection,
-    /// such as [`sim::pair`]), with `cfg` on both sides. Needs a tokio runtime: each side
+    /// such as [`sim::pair`]), with `cfg` on both sides; each side waits at most
+    /// `cfg.handshake_timeout` for the other's `HELLO`. Needs a tokio runtime: each side
     /// runs a driver task. Both sides post their receives before either sends.
     pub async fn channel_pair<V: verbs::Verbs>(
         a: V,
@@ -129,7 +130,7 @@ pub mod rdma {
     ) -> Result<(Channel, Channel)> {
         use crate::transport::rdma::{finish, prepare};
         use std::sync::Arc;
-        let t = std::time::Duration::from_secs(10);
+        let t = cfg.handshake_timeout;
         let pa = prepare(Arc::new(a), cfg.clone(), "rdma-pair#b".into())?;
         let pb = prepare(Arc::new(b), cfg, "rdma-pair#a".into())?;
         let (sa, sb) = (pa.spawn(), pb.spawn());

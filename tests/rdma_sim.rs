@@ -80,6 +80,18 @@ async fn pair(cfg: RdmaConfig, sim: SimConfig) -> (Channel, Channel, SimVerbs, S
     (ca, cb, a, b)
 }
 
+#[tokio::test]
+async fn channel_pair_takes_its_handshake_timeout_from_the_config() {
+    let (a, b) = sim::pair(SimConfig::default());
+    let cfg = RdmaConfig {
+        handshake_timeout: Duration::ZERO,
+        ..small_cfg()
+    };
+    let e = channel_pair(a, b, cfg).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    assert!(e.to_string().contains("handshake timeout"), "{e}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eager_and_rendezvous_sizes_with_checksums_in_order() {
     // No RNR retries: a sender overrunning the posted receives would fail at once.

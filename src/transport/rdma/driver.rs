@@ -71,6 +71,9 @@ pub struct RdmaConfig {
     /// which it is declared frozen; 0 turns the watch off (and the counter: the `HELLO`
     /// then announces none). Default 10.
     pub heartbeat_misses: u32,
+    /// How long set-up waits for the peer's `HELLO` once both queue pairs are connected.
+    /// Default 5 s (a context's [`handshake_timeout`](crate::ContextBuilder::handshake_timeout)).
+    pub handshake_timeout: Duration,
     /// What this side accepts.
     pub limits: Limits,
 }
@@ -86,6 +89,7 @@ impl Default for RdmaConfig {
             recv_queue_bytes: 16 << 20,
             keepalive: Duration::from_secs(1),
             heartbeat_misses: 10,
+            handshake_timeout: Duration::from_secs(5),
             limits: Limits::default(),
         }
     }
@@ -117,6 +121,9 @@ impl RdmaConfig {
         }
         if self.send_queue == 0 || self.recv_queue == 0 {
             return bad("rdma queues must hold at least one message".into());
+        }
+        if self.handshake_timeout.is_zero() {
+            return bad("the rdma handshake timeout must be longer than zero".into());
         }
         Ok(())
     }

@@ -90,6 +90,7 @@ pub(crate) fn config(cfg: &Config) -> RdmaConfig {
         } else {
             0
         },
+        handshake_timeout: cfg.handshake_timeout,
         limits: cfg.limits,
     }
 }
@@ -106,16 +107,16 @@ fn runtime() -> Result<()> {
 }
 
 /// Starts a connection's driver over `verbs` (receives are posted before this returns) and
-/// waits for the peer's `HELLO`.
+/// waits for the peer's `HELLO` (at most `cfg.handshake_timeout`).
 pub(crate) async fn establish<V: Verbs>(
     verbs: Arc<V>,
     cfg: RdmaConfig,
-    handshake_timeout: std::time::Duration,
     local: String,
     peer: String,
 ) -> Result<Parts> {
+    let t = cfg.handshake_timeout;
     let p = prepare(verbs, cfg, peer)?;
-    finish(p.spawn(), handshake_timeout, local).await
+    finish(p.spawn(), t, local).await
 }
 
 /// A driver whose receives are posted, not yet running.

@@ -186,14 +186,7 @@ pub(crate) async fn connect<V: Verbs>(
         .map_err(|_| Error::new(ErrorKind::TimedOut, format!("connecting to {url}")))?
         .map_err(|e| Error::io(format!("connecting to {url}"), e))?;
     let verbs = handshake(&mut tcp, &rcfg, cfg.handshake_timeout, &url).await?;
-    super::establish(
-        Arc::new(verbs),
-        rcfg,
-        cfg.handshake_timeout,
-        url.clone(),
-        url,
-    )
-    .await
+    super::establish(Arc::new(verbs), rcfg, url.clone(), url).await
 }
 
 /// An `rdma://host:port` listener: TCP connections accepted, each set up with the backend's
@@ -241,8 +234,7 @@ pub(crate) async fn bind<V: Verbs>(
                 let peer = format!("rdma://{from}");
                 let r = async {
                     let verbs = handshake(&mut tcp, &rcfg, t, &peer).await?;
-                    super::establish(Arc::new(verbs), rcfg, t, local_url.clone(), peer.clone())
-                        .await
+                    super::establish(Arc::new(verbs), rcfg, local_url.clone(), peer.clone()).await
                 }
                 .await;
                 drop(permit);
