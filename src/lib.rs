@@ -103,51 +103,6 @@ mod transport;
 mod url;
 pub mod wire;
 
-/// The RDMA transport's protocol core, verbs seam and simulation (feature `rdma`).
-///
-/// This is the testing and simulation seam of `rdma://`: the sans-IO protocol
-/// ([`proto`](rdma::proto)), the verbs trait it is driven over ([`verbs`](rdma::verbs)), the
-/// registered-buffer pool ([`pool`](rdma::pool)) and the simulated verbs with fault injection
-/// ([`sim`](rdma::sim)), plus [`channel_pair`](rdma::channel_pair), which runs a pair of
-/// [`Channel`]s over any verbs backend (the simulation, in tests). Applications use
-/// `rdma://` URLs and never need this module.
-#[cfg(feature = "rdma")]
-#[cfg_attr(docsrs, doc(cfg(feature = "rdma")))]
-pub mod rdma {
-    pub use crate::transport::rdma::driver::RdmaConfig;
-    pub use crate::transport::rdma::{pool, proto, sim, verbs};
-
-    use crate::{Channel, Result};
-
-    /// A connected pair of channels over `a` and `b` (the two sides of one connection,
-    /// such as [`sim::pair`]), with `cfg` on both sides; each side waits at most
-    /// `cfg.handshake_timeout` for the other's `HELLO`. Needs a tokio runtime: each side
-    /// runs a driver task. Both sides post their receives before either sends.
-    pub async fn channel_pair<V: verbs::Verbs>(
-        a: V,
-        b: V,
-        cfg: RdmaConfig,
-    ) -> Result<(Channel, Channel)> {
-        use crate::transport::rdma::{finish, prepare};
-        use std::sync::Arc;
-        let t = cfg.handshake_timeout;
-        let pa = prepare(Arc::new(a), cfg.clone(), "rdma-pair#b".into())?;
-        let pb = prepare(Arc::new(b), cfg, "rdma-pair#a".into())?;
-        let (sa, sb) = (pa.spawn(), pb.spawn());
-        let (pa, pb) = tokio::join!(
-            finish(sa, t, "rdma-pair#a".into()),
-            finish(sb, t, "rdma-pair#b".into())
-        );
-        Ok((Channel::from_parts(pa?), Channel::from_parts(pb?)))
-    }
-
-    /// The RDMA devices of this host, or an [`ErrorKind::Unavailable`](crate::ErrorKind::Unavailable)
-    /// error saying there are none (what `bind` and `connect` of `rdma://` check first).
-    pub fn devices() -> Result<Vec<String>> {
-        crate::transport::rdma::devices()
-    }
-}
-
 pub use channel::{
     Channel, ChannelInfo, Context, ContextBuilder, ContextStats, IoEngine, Listener, Receiver,
     ReuniteError, Sender,
@@ -159,63 +114,18 @@ pub use transport::identity::PeerIdentity;
 #[cfg(feature = "tls")]
 pub use transport::tcp::tls::TlsConfig;
 pub use url::Endpoint;
+pub use wire::Limits;
+
+#[cfg(feature = "rdma")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rdma")))]
+pub use transport::rdma;
 
 /// The README's Rust examples, compiled as doctests (`cargo test --doc --all-features`).
 #[cfg(all(doctest, feature = "tls", feature = "tower"))]
 #[doc = include_str!("../README.md")]
 struct ReadmeExamples;
 
-/// Not part of the API: internals that `benches/` measure on their own. The `shm://`
-/// descriptor ring between two threads of one process, one descriptor per push, published at
-/// once, as the `shm://` sender does for a message sent alone.
+/// Not part of the API: internals that `benches/` measure on their own.
 #[doc(hidden)]
 #[cfg(all(feature = "shm", not(hyperframes_loom)))]
-pub mod bench_support {
-    use std::sync::Arc;
-
-    use crate::transport::shm::desc::Desc;
-    use crate::transport::shm::ring::heap::HeapRing;
-    use crate::transport::shm::ring::{Consumer, Producer};
-
-    /// The producing end.
-    pub struct RingProducer(Producer<Arc<HeapRing>>);
-    /// The consuming end.
-    pub struct RingConsumer(Consumer<Arc<HeapRing>>);
-
-    /// A ring of `capacity` (a power of two) descriptors of 128 bytes.
-    pub fn ring(capacity: usize) -> (RingProducer, RingConsumer) {
-        let r = HeapRing::new(capacity);
-        (
-            RingProducer(Producer::new(r.clone())),
-            RingConsumer(Consumer::new(r)),
-        )
-    }
-
-    impl RingProducer {
-        /// Writes and publishes a descriptor carrying `v` (with the wake-up check a send
-        /// makes); false when the ring is full.
-        pub fn try_push(&mut self, v: u64) -> bool {
-            if self.0.free().unwrap_or(0) == 0 {
-                return false;
-            }
-            self.0.write(&Desc {
-                correlation: v,
-                kind: Desc::MESSAGE,
-                ..Desc::zeroed()
-            });
-            self.0.publish();
-            true
-        }
-    }
-
-    impl RingConsumer {
-        /// Reads and frees the next descriptor, returning what it carries.
-        pub fn try_pop(&mut self) -> Option<u64> {
-            let d = self.0.peek()?;
-            self.0.take();
-            self.0.consume();
-            Some(Desc::decode(&d).correlation)
-        }
-    }
-}
-pub use wire::Limits;
+pub use transport::shm::bench_support;

@@ -25,7 +25,7 @@ mod inproc;
 mod names;
 pub(crate) mod pipe;
 #[cfg(feature = "rdma")]
-pub(crate) mod rdma;
+pub mod rdma;
 #[cfg(feature = "shm")]
 pub(crate) mod shm;
 #[cfg(feature = "tcp")]

@@ -19,6 +19,13 @@
 //!
 //! `rdma+sim://name` runs the same transport over the simulation, inside one process (names
 //! are per `Context`, as for `inproc://`): the channel API end to end without hardware.
+//!
+//! # This module in the API (feature `rdma`)
+//! The testing and simulation seam of `rdma://`: the sans-IO protocol ([`proto`]), the verbs
+//! trait it is driven over ([`verbs`]), the registered-buffer pool ([`pool`]) and the
+//! simulated verbs with fault injection ([`sim`]), plus [`channel_pair`], which runs a pair of
+//! [`Channel`]s over any verbs backend (the simulation, in tests), and [`devices`].
+//! Applications use `rdma://` URLs and never need this module.
 
 #[cfg(feature = "rdma-async-rdma")]
 pub(crate) mod async_rdma;
@@ -36,10 +43,10 @@ use std::sync::Arc;
 
 use super::names::Names;
 use super::{AcceptHalf, Config, Parts};
-use crate::error::Result;
-use crate::{Error, ErrorKind};
+use crate::channel::Channel;
+use crate::error::{Error, ErrorKind, Result};
 use driver::Driver;
-pub(crate) use driver::RdmaConfig;
+pub use driver::RdmaConfig;
 use verbs::Verbs;
 
 /// `rdma://`'s settings of a context (set through `ContextBuilder::rdma_*`); the rest of
@@ -93,6 +100,22 @@ pub(crate) fn config(cfg: &Config) -> RdmaConfig {
         handshake_timeout: cfg.handshake_timeout,
         limits: cfg.limits,
     }
+}
+
+/// A connected pair of channels over `a` and `b` (the two sides of one connection, such as
+/// [`sim::pair`]), with `cfg` on both sides; each side waits at most `cfg.handshake_timeout`
+/// for the other's `HELLO`. Needs a tokio runtime: each side runs a driver task. Both sides
+/// post their receives before either sends.
+pub async fn channel_pair<V: Verbs>(a: V, b: V, cfg: RdmaConfig) -> Result<(Channel, Channel)> {
+    let t = cfg.handshake_timeout;
+    let pa = prepare(Arc::new(a), cfg.clone(), "rdma-pair#b".into())?;
+    let pb = prepare(Arc::new(b), cfg, "rdma-pair#a".into())?;
+    let (sa, sb) = (pa.spawn(), pb.spawn());
+    let (pa, pb) = tokio::join!(
+        finish(sa, t, "rdma-pair#a".into()),
+        finish(sb, t, "rdma-pair#b".into())
+    );
+    Ok((Channel::from_parts(pa?), Channel::from_parts(pb?)))
 }
 
 fn runtime() -> Result<()> {
@@ -277,8 +300,10 @@ fn backend() -> Result<Backend> {
     }
 }
 
-/// The RDMA devices of this host, as the chosen backend sees them.
-pub(crate) fn devices() -> Result<Vec<String>> {
+/// The RDMA devices of this host, as the chosen backend sees them, or an
+/// [`ErrorKind::Unavailable`] error saying there are none (what `bind` and `connect` of
+/// `rdma://` check first).
+pub fn devices() -> Result<Vec<String>> {
     match backend()? {
         Backend::Sideway => sideway::devices(),
         #[cfg(feature = "rdma-async-rdma")]

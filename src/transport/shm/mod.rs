@@ -30,6 +30,8 @@
 //! against writing, immutable either way.
 
 mod arena;
+#[cfg(not(hyperframes_loom))]
+pub mod bench_support;
 mod conn;
 pub(crate) mod desc;
 mod rendezvous;
