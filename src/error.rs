@@ -10,7 +10,7 @@ use std::borrow::Cow;
 use std::fmt;
 use std::io;
 
-use crate::Message;
+use crate::message::Message;
 
 /// A `Result` whose error is [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -125,12 +125,12 @@ pub fn shm_descriptor(data: &[u8]) {
 
 /// The parameters both sides of [`rdma_proto`] offer (its seeds are written with them).
 #[cfg(feature = "rdma")]
-pub fn rdma_params() -> crate::rdma::proto::Params {
-    crate::rdma::proto::Params {
+pub fn rdma_params() -> crate::transport::rdma::proto::Params {
+    crate::transport::rdma::proto::Params {
         recv_slots: 8,
         slot_size: 8192 + 512,
         limits: Limits::default(),
-        keepalive: crate::rdma::verbs::RemoteRegion {
+        keepalive: crate::transport::rdma::verbs::RemoteRegion {
             addr: 1,
             len: 8,
             rkey: 2,
@@ -171,7 +171,7 @@ pub fn rdma_proto(mut data: &[u8]) {
 
 /// The session protocol's reading of a message: built from the input's fields, classified.
 pub fn session_control(data: &[u8]) {
-    use crate::Message;
+    use crate::message::Message;
     // Type, then key=value pairs separated by NUL, as text.
     let text = String::from_utf8_lossy(data);
     let mut parts = text.split('\0');

@@ -4,11 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Channel, Listener};
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::transport::{Config, IoEngine, Transports};
 use crate::url::Endpoint;
 use crate::wire::Limits;
-use crate::{Error, ErrorKind};
 
 /// The root object: holds the settings, the I/O threads (started on first use of `tcp://`)
 /// and the `inproc://` names. Cheap to clone; clones share everything.
@@ -461,7 +460,7 @@ impl ContextBuilder {
     /// `tls://` fails with [`ErrorKind::Config`]. Default: none.
     #[cfg(feature = "tls")]
     #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
-    pub fn tls(mut self, tls: crate::TlsConfig) -> Self {
+    pub fn tls(mut self, tls: crate::transport::tcp::tls::TlsConfig) -> Self {
         self.cfg.tls = Some(tls);
         self
     }

@@ -21,11 +21,11 @@ use futures_sink::Sink;
 use futures_util::future::poll_fn;
 use futures_util::task::noop_waker_ref;
 
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
+use crate::message::Message;
 use crate::transport::identity::PeerIdentity;
 use crate::transport::{Parts, RecvHalf, SendHalf};
 use crate::wire::Limits;
-use crate::{Error, ErrorKind, Message};
 
 pub use crate::transport::IoEngine;
 
@@ -244,7 +244,7 @@ impl Channel {
     }
 
     /// See [`Sender::alloc`].
-    pub async fn alloc(&mut self, len: usize) -> Result<crate::BodyMut> {
+    pub async fn alloc(&mut self, len: usize) -> Result<crate::message::BodyMut> {
         self.tx.alloc(len).await
     }
 
@@ -272,7 +272,11 @@ impl Sender {
     }
 
     fn start_send_inner(&mut self, msg: Message) -> Result<()> {
-        if msg.header().flags.intersects(crate::Flags::CHANNEL) {
+        if msg
+            .header()
+            .flags
+            .intersects(crate::message::Flags::CHANNEL)
+        {
             return Err(Error::new(
                 ErrorKind::Mismatch,
                 format!(
@@ -372,7 +376,7 @@ impl Sender {
     ///
     /// # Cancel safety
     /// Cancel safe: memory not yet handed out is not taken.
-    pub async fn alloc(&mut self, len: usize) -> Result<crate::BodyMut> {
+    pub async fn alloc(&mut self, len: usize) -> Result<crate::message::BodyMut> {
         let max = self.info.peer_limits.max_body;
         if len as u64 > max {
             return Err(Error::new(

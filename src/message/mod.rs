@@ -227,7 +227,7 @@ impl Message {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ErrorKind;
+    use crate::error::ErrorKind;
 
     #[test]
     fn builder_shapes() {

@@ -67,7 +67,7 @@ impl<'de> Deserialize<'de> for Meta {
                     if seen.contains(k.as_str()) {
                         return Err(de::Error::custom(format_args!(
                             "metadata key {:?} appears twice",
-                            crate::escape_untrusted(&k)
+                            crate::text::escape_untrusted(&k)
                         )));
                     }
                     meta.push_new(&k, &v).map_err(de::Error::custom)?;
@@ -126,7 +126,7 @@ impl<'de> Deserialize<'de> for Flags {
                     let Some((f, _)) = NAMED.iter().find(|(_, n)| *n == name) else {
                         return Err(de::Error::custom(format_args!(
                             "unknown flag {:?}: the flags are REQUEST, RESPONSE, DEVICE, MORE",
-                            crate::escape_untrusted(&name)
+                            crate::text::escape_untrusted(&name)
                         )));
                     };
                     flags = flags.union(*f);

@@ -58,7 +58,9 @@ use futures_core::Stream;
 use futures_sink::Sink;
 use futures_util::task::noop_waker_ref;
 
-use crate::{Error, ErrorKind, Message, Meta, Receiver, Result, Sender};
+use crate::channel::{Receiver, Sender};
+use crate::error::{Error, ErrorKind, Result};
+use crate::message::{Message, Meta};
 
 /// A `Sink<Message>` over several channels; see [the module docs](self).
 pub struct FanOut {

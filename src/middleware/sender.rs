@@ -5,7 +5,9 @@ use std::task::{Context, Poll};
 
 use tower::Service;
 
-use crate::{Error, Message, Sender};
+use crate::channel::Sender;
+use crate::error::Error;
+use crate::message::Message;
 
 /// A `Sender` is a service that hands each message to the transport, so the layers that guard
 /// handlers guard the send side too.

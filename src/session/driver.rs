@@ -22,11 +22,12 @@ use super::halves::{SessionReceiver, SessionSender, Shared};
 use super::listener::{Attach, Registry};
 use super::proto::{self, Control, Hello};
 use super::{Reconnect, SessionConfig, random_u64};
-use crate::error::Result;
+use crate::channel::Channel;
+use crate::error::{Error, ErrorKind, Result};
+use crate::message::{Flags, Message};
 use crate::transport::pipe::{Pipe, Stager, Unbatcher};
 use crate::transport::{Config, Count, Parts, Transports};
 use crate::url::Endpoint;
-use crate::{Channel, Error, ErrorKind, Flags, Message};
 
 /// Messages read from the connection in one poll before the driver lets its runtime run
 /// other tasks.

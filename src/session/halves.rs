@@ -7,10 +7,10 @@ use std::task::{Context, Poll};
 use futures_util::task::AtomicWaker;
 
 use super::proto;
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
+use crate::message::Message;
 use crate::transport::pipe::{Stager, Unbatcher};
 use crate::transport::{RecvHalf, SendHalf};
-use crate::{Error, ErrorKind, Message};
 
 /// What the driver tells the application's halves.
 #[derive(Default)]

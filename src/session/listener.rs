@@ -15,10 +15,10 @@ use tokio::sync::mpsc;
 
 use super::driver;
 use super::proto::{self, Control, Hello};
-use crate::error::Result;
+use crate::channel::{Channel, Listener};
+use crate::error::{Error, ErrorKind, Result};
 use crate::transport::{AcceptHalf, Config, Parts, Transports};
 use crate::url::Endpoint;
-use crate::{Channel, Error, ErrorKind, Listener};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())

@@ -197,7 +197,7 @@ impl SessionConfig {
 }
 
 /// Reads a message as a session's driver would (for the fuzz targets): true if accepted.
-pub(crate) fn fuzz_classify(msg: crate::Message) -> bool {
+pub(crate) fn fuzz_classify(msg: crate::message::Message) -> bool {
     proto::classify(msg).is_ok()
 }
 

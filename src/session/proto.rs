@@ -15,9 +15,8 @@
 
 use bytes::{BufMut, BytesMut};
 
-use crate::error::Result;
-use crate::message::MetaValue;
-use crate::{Error, ErrorKind, Flags, Message, MsgType};
+use crate::error::{Error, ErrorKind, Result};
+use crate::message::{Flags, Message, MetaValue, MsgType};
 
 /// The type of the message a connecting side's [`Receiver`](crate::Receiver) yields when the
 /// listening side lost the session (it restarted): the messages the old process had

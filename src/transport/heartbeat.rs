@@ -13,7 +13,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::{Error, ErrorKind};
+use crate::error::{Error, ErrorKind};
 #[cfg(any(feature = "tcp", feature = "shm"))]
 use {
     crate::transport::Config,

@@ -90,7 +90,7 @@ fn unescaped_end(s: &str) -> usize {
 impl fmt::Debug for PeerIdentity {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PeerIdentity")
-            .field("subject", &crate::escape_untrusted(&self.subject))
+            .field("subject", &crate::text::escape_untrusted(&self.subject))
             .field("dns_names", &self.dns_names)
             .field("uris", &self.uris)
             .finish_non_exhaustive()
@@ -99,9 +99,9 @@ impl fmt::Debug for PeerIdentity {
 
 impl fmt::Display for PeerIdentity {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&crate::escape_untrusted(&self.subject))?;
+        f.write_str(&crate::text::escape_untrusted(&self.subject))?;
         for n in self.dns_names.iter().chain(&self.uris) {
-            write!(f, " {}", crate::escape_untrusted(n))?;
+            write!(f, " {}", crate::text::escape_untrusted(n))?;
         }
         Ok(())
     }

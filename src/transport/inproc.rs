@@ -16,8 +16,8 @@ use std::task::{Context, Poll};
 use super::names::Names;
 use super::pipe::{Pipe, Stager, Unbatcher};
 use super::{AcceptHalf, Config, Count, Parts, RecvHalf, SPIN, SendHalf, spin_until};
-use crate::error::Result;
-use crate::{Error, ErrorKind, Message};
+use crate::error::{Error, ErrorKind, Result};
+use crate::message::Message;
 
 pub(crate) struct Registry {
     cfg: Config,

@@ -11,10 +11,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
+use crate::message::{BodyMut, Message};
 use crate::url::Endpoint;
 use crate::wire::Limits;
-use crate::{BodyMut, Error, ErrorKind, Message};
 
 #[cfg(any(feature = "tcp", feature = "shm", feature = "rdma"))]
 pub(crate) mod heartbeat;

@@ -9,8 +9,7 @@ use std::task::{Context, Poll};
 use tokio::sync::mpsc;
 
 use super::{AcceptHalf, Parts};
-use crate::error::Result;
-use crate::{Error, ErrorKind};
+use crate::error::{Error, ErrorKind, Result};
 
 pub(crate) struct Names {
     scheme: &'static str,

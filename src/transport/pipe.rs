@@ -32,7 +32,7 @@ use crossbeam_utils::CachePadded;
 // Every atomic of the protocol through the seam, so that `loom_models` below checks it.
 use crate::loom::sync::{AtomicBool, AtomicU64, AtomicWaker, Ordering, fence};
 
-use crate::Message;
+use crate::message::Message;
 
 /// What travels through a pipe: one message, or a batch (never empty).
 #[derive(Debug)]

@@ -6,7 +6,8 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
 use super::Slot;
-use crate::{Error, Message, Result};
+use crate::error::{Error, Result};
+use crate::message::Message;
 
 /// Response future of [`Client`](super::Client): the reply to one request. Dropping it
 /// cancels the request: its slot is freed at once and a reply that comes later is discarded

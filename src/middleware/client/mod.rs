@@ -78,7 +78,9 @@ use tower::Service;
 use self::future::ResponseFuture;
 use super::log_limit::LogLimit;
 use super::serve::ERROR_TYPE;
-use crate::{Channel, Error, ErrorKind, Flags, Header, Message, Receiver, Result, Sender};
+use crate::channel::{Channel, Receiver, Sender};
+use crate::error::{Error, ErrorKind, Result};
+use crate::message::{Flags, Header, Message};
 
 /// A channel as a request/response service; see [the module docs](self).
 pub struct Client {
@@ -397,8 +399,8 @@ fn remote_error(peer: &str, msg: &Message) -> Error {
         ErrorKind::Remote,
         format!(
             "{peer} failed the request of type `{}`: {}",
-            crate::escape_untrusted(kind),
-            crate::escape_untrusted(&text)
+            crate::text::escape_untrusted(kind),
+            crate::text::escape_untrusted(&text)
         ),
     )
     .with_remote_kind(remote_kind)

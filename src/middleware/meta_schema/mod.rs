@@ -49,7 +49,7 @@ pub use self::layer::MetaSchemaLayer;
 pub use self::schema::{MetaSchema, MetaSchemaBuilder, Value};
 use super::BoxError;
 use super::decisions::Decisions;
-use crate::Message;
+use crate::message::Message;
 
 /// A service that passes only messages that follow its [`MetaSchema`]; see
 /// [the module docs](self). (The schema has the name `MetaSchema`, so the service breaks

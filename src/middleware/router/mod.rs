@@ -43,7 +43,7 @@ pub use self::error::NoRoute;
 use super::BoxError;
 use super::decisions::Decisions;
 use super::pattern::TypePattern;
-use crate::Message;
+use crate::message::Message;
 
 type Boxed<R> = BoxCloneService<Message, R, BoxError>;
 
@@ -76,7 +76,7 @@ impl<R: Send + 'static> Router<R> {
     /// Adds a route: messages whose type matches `pattern` (see [`TypePattern`]) and no
     /// earlier route go to `service`. Fails with
     /// [`ErrorKind::Config`](crate::ErrorKind::Config) for a bad pattern.
-    pub fn route<S>(mut self, pattern: &str, service: S) -> crate::Result<Router<R>>
+    pub fn route<S>(mut self, pattern: &str, service: S) -> crate::error::Result<Router<R>>
     where
         S: Service<Message, Response = R> + Clone + Send + 'static,
         S::Future: Send + 'static,

@@ -14,8 +14,10 @@ use tower::Service;
 use tracing::Instrument;
 
 use super::{Counters, ERROR_TYPE};
+use crate::channel::{Channel, Sender};
+use crate::error::{Error, ErrorKind, Result};
+use crate::message::{Flags, Header, Message, MsgType};
 use crate::middleware::BoxError;
-use crate::{Channel, Error, ErrorKind, Flags, Header, Message, MsgType, Result, Sender};
 
 /// What a response needs from its request, and the span its call runs in.
 struct Request {
@@ -60,7 +62,7 @@ fn classify(err: &BoxError) -> ErrorKind {
     use crate::middleware::{
         meta_schema::SchemaViolation, router::NoRoute, type_filter::Unmatched,
     };
-    if let Some(e) = err.downcast_ref::<crate::Error>() {
+    if let Some(e) = err.downcast_ref::<crate::error::Error>() {
         e.kind()
     } else if err.is::<Unmatched>() {
         ErrorKind::InvalidType

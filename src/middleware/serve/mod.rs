@@ -79,7 +79,9 @@ use tracing::Instrument;
 
 use super::BoxError;
 use super::log_limit::LogLimit;
-use crate::{Channel, ChannelInfo, Error, ErrorKind, Listener, Message, Result};
+use crate::channel::{Channel, ChannelInfo, Listener};
+use crate::error::{Error, ErrorKind, Result};
+use crate::message::Message;
 
 /// The type of the error reply [`serve()`] sends for a failed request: the body is the error
 /// text (UTF-8, at most 4 KiB), the metadata key `request-type` names the request's type,

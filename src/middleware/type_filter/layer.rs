@@ -32,7 +32,7 @@ impl TypeFilterLayer<Reject> {
     /// [`TypePattern`](crate::middleware::TypePattern) for the syntax), with the [`Reject`]
     /// policy. Fails with [`ErrorKind::Config`](crate::ErrorKind::Config) naming a bad
     /// pattern, or when there is none.
-    pub fn new<I>(patterns: I) -> crate::Result<TypeFilterLayer<Reject>>
+    pub fn new<I>(patterns: I) -> crate::error::Result<TypeFilterLayer<Reject>>
     where
         I: IntoIterator,
         I::Item: AsRef<str>,

@@ -58,7 +58,7 @@ use super::BoxError;
 use super::decisions::Decisions;
 use super::log_limit::LogLimit;
 use super::pattern::{PatternSet, TypePattern};
-use crate::Message;
+use crate::message::Message;
 
 /// Policy: refuse an unmatched message with an [`Unmatched`] error.
 #[derive(Clone, Copy, Debug, Default)]
@@ -168,7 +168,7 @@ impl Config {
 impl<S> TypeFilter<S, Reject> {
     /// Wraps `inner` in a filter on `patterns` with the [`Reject`] policy; see
     /// [`TypeFilterLayer`] for the other policies and settings.
-    pub fn new<I>(inner: S, patterns: I) -> crate::Result<TypeFilter<S, Reject>>
+    pub fn new<I>(inner: S, patterns: I) -> crate::error::Result<TypeFilter<S, Reject>>
     where
         I: IntoIterator,
         I::Item: AsRef<str>,

@@ -30,9 +30,8 @@ use async_rdma::{
 
 use super::setup::{self, Endpoint, Placement};
 use super::verbs::{Access, Completion, Region, RemoteRegion, VerbOp, Verbs, VerbsError, WcStatus};
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::transport::{AcceptHalf, Config, Parts};
-use crate::{Error, ErrorKind};
 
 /// The RDMA devices of this host (sysfs, then `ibv_get_device_list` through async-rdma), or
 /// `Unavailable` saying there are none. Never calls into libibverbs when sysfs lists nothing.

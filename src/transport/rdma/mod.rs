@@ -338,7 +338,8 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::*;
-    use crate::{Channel, Message};
+    use crate::channel::Channel;
+    use crate::message::Message;
 
     /// Polls `inner` until `frozen` is set, then never again (without dropping it): a
     /// driver whose process stopped. Its memory stays registered and the simulated NIC
@@ -401,10 +402,10 @@ mod tests {
             .expect("a frozen peer must be found")
             .unwrap()
             .unwrap_err();
-        assert_eq!(e.kind(), crate::ErrorKind::ConnectionLost, "{e:#}");
+        assert_eq!(e.kind(), crate::error::ErrorKind::ConnectionLost, "{e:#}");
         assert!(e.to_string().contains("silent for"), "{e:#}");
         let e = ca.send(Message::new("x").unwrap()).await.unwrap_err();
-        assert_eq!(e.kind(), crate::ErrorKind::ConnectionLost, "{e:#}");
+        assert_eq!(e.kind(), crate::error::ErrorKind::ConnectionLost, "{e:#}");
         assert!(at.elapsed() < t);
         drop(cb);
     }

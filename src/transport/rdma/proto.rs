@@ -105,8 +105,7 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 use bytes::Bytes;
 
 use super::verbs::RemoteRegion;
-use crate::Message;
-use crate::message::{Body, Flags, Header, Meta, MsgType};
+use crate::message::{Body, Flags, Header, Message, Meta, MsgType};
 use crate::wire::Limits;
 
 /// `HELLO` magic.

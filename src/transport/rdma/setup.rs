@@ -29,9 +29,8 @@ use tokio::sync::mpsc;
 
 use super::RdmaConfig;
 use super::verbs::Verbs;
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::transport::{AcceptHalf, Config, Parts};
-use crate::{Error, ErrorKind};
 
 /// Where the kernel lists RDMA devices.
 const SYSFS: &str = "/sys/class/infiniband";

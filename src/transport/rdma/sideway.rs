@@ -42,9 +42,8 @@ use tokio::sync::oneshot;
 
 use super::setup::{self, Endpoint, Placement};
 use super::verbs::{Access, Completion, Region, RemoteRegion, VerbOp, Verbs, VerbsError, WcStatus};
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::transport::{AcceptHalf, Config, Parts};
-use crate::{Error, ErrorKind};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())

@@ -46,9 +46,8 @@ use std::task::{Context, Poll};
 use tokio::sync::{Semaphore, mpsc};
 
 use super::{AcceptHalf, Config, Parts};
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::transport::heartbeat::Liveness;
-use crate::{Error, ErrorKind};
 use conn::{Setup, Shared, ShmReceiver, ShmSender};
 use rendezvous::Hello;
 use segment::{Geometry, Segment};
@@ -132,7 +131,7 @@ fn parts(
     sh: Arc<Shared>,
     cfg: &Config,
     url: &str,
-    peer_limits: crate::Limits,
+    peer_limits: crate::wire::Limits,
     peer: String,
 ) -> Parts {
     Parts {

@@ -31,9 +31,8 @@ use rustix::net::{
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::wire::Limits;
-use crate::{Error, ErrorKind};
 
 /// The size of a hello.
 const HELLO_LEN: usize = 64;

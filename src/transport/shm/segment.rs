@@ -29,8 +29,8 @@ use rustix::mm::{MapFlags, ProtFlags};
 
 use super::arena::{BLOCK_ALIGN, BlockRefs};
 use super::ring::{Control, RingStore, Slot};
+use crate::error::{Error, ErrorKind};
 use crate::loom::sync::{AtomicU32, AtomicU64, Ordering};
-use crate::{Error, ErrorKind};
 
 const MAGIC: [u8; 8] = *b"HYPERSHM";
 const VERSION: u32 = 4;

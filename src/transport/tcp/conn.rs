@@ -24,12 +24,12 @@ use bytes::BytesMut;
 use futures_util::future::poll_fn;
 
 use super::sys::Io;
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
+use crate::message::Message;
 use crate::transport::heartbeat::{Liveness, Tick};
 use crate::transport::pipe::{Consumer, Item, Pipe, Producer, Signal, Stager, Unbatcher};
 use crate::transport::{Config, Count, RecvHalf, SendHalf};
 use crate::wire::{Batch, Capabilities, Control, Decoder, Frame, HANDSHAKE_LEN, Handshake, Limits};
-use crate::{Error, ErrorKind, Message};
 
 /// Bytes read into the shared receive buffer at a time (many small frames per read).
 const READ_CHUNK: usize = 256 << 10;
@@ -588,7 +588,7 @@ async fn read_loop<S: Io>(
                             ErrorKind::Protocol,
                             format!(
                                 "the peer closed the connection: {}",
-                                crate::escape_untrusted(&reason)
+                                crate::text::escape_untrusted(&reason)
                             ),
                         ),
                         false,

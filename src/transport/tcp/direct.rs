@@ -52,11 +52,11 @@ use tokio::net::TcpStream;
 
 use super::conn::FrameClock;
 use super::tls::Session;
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
+use crate::message::Message;
 use crate::transport::heartbeat::{Liveness, Silence, Tick};
 use crate::transport::{Config, RecvHalf, SendHalf};
 use crate::wire::{Batch, Control, Decoder, Frame};
-use crate::{Error, ErrorKind, Message};
 
 /// Pending messages written from the sender's own task without waiting for it to yield.
 const BATCH_MESSAGES: usize = 1024;
@@ -659,7 +659,7 @@ impl ReadState {
                             ErrorKind::Protocol,
                             format!(
                                 "the peer closed the connection: {}",
-                                crate::escape_untrusted(&reason)
+                                crate::text::escape_untrusted(&reason)
                             ),
                         ),
                         false,

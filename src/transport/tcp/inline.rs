@@ -17,10 +17,9 @@ use super::sys::EpollStream;
 #[cfg(feature = "tls")]
 use super::tls::TlsIo;
 use super::tls::{Session, TlsConfig};
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::transport::{AcceptHalf, Config, Parts};
 use crate::url::Endpoint;
-use crate::{Error, ErrorKind};
 
 fn runtime() -> Result<Handle> {
     Handle::try_current().map_err(|_| {

@@ -15,9 +15,8 @@ use super::sys::{EpollStream, Io, UringStream};
 #[cfg(feature = "tls")]
 use super::tls::TlsIo;
 use super::tls::{Session, TlsConfig};
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::transport::{AcceptHalf, Config, IoEngine, Parts};
-use crate::{Error, ErrorKind};
 
 enum Command {
     Connect {

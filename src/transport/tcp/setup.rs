@@ -15,12 +15,11 @@ use tokio::sync::mpsc;
 use super::admission::{Admission, Ticket};
 use super::conn::{self, Conn, TcpReceiver, TcpSender};
 use super::sys::{self, Io};
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::transport::heartbeat::Liveness;
 use crate::transport::{AcceptHalf, Config, Parts};
 use crate::url::Endpoint;
 use crate::wire::{Batch, Control, Limits};
-use crate::{Error, ErrorKind};
 
 pub(super) async fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>> {
     let ep = Endpoint::Tcp {

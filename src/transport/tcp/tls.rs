@@ -35,11 +35,10 @@ use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 
 use super::sys::Io;
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::transport::identity::{self, PeerIdentity};
 use crate::transport::{Config, Parts};
 use crate::url::Endpoint;
-use crate::{Error, ErrorKind};
 
 /// Plaintext encrypted per write: large enough to amortise the system call, small enough to
 /// bound the ciphertext held at once.

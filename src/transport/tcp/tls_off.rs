@@ -40,7 +40,7 @@ impl Session {
 pub(crate) enum TlsConfig {}
 
 impl TlsConfig {
-    pub(crate) fn acceptor(&self) -> crate::Result<Session> {
+    pub(crate) fn acceptor(&self) -> crate::error::Result<Session> {
         match *self {}
     }
 }
