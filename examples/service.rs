@@ -147,8 +147,9 @@ async fn main() -> Result<(), BoxError> {
         .service(svc);
 
     let req = |kind: &str, meta: &[(&str, &str)]| -> hyperframes::Result<Message> {
-        meta.iter()
-            .try_fold(Message::new(kind)?, |m, (k, v)| m.with_meta(k, v))
+        let mut m = Message::new(kind)?;
+        *m.meta_mut() = hyperframes::Meta::try_from(meta)?;
+        Ok(m)
     };
 
     let r = svc

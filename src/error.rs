@@ -10,7 +10,7 @@ use std::borrow::Cow;
 use std::fmt;
 use std::io;
 
-use crate::message::Message;
+use crate::message::{InvalidMeta, InvalidType, Message};
 
 /// A `Result` whose error is [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -360,9 +360,36 @@ impl From<Error> for io::Error {
     }
 }
 
+impl From<InvalidType> for Error {
+    fn from(e: InvalidType) -> Error {
+        Error::new(ErrorKind::InvalidType, e.to_string())
+    }
+}
+
+impl From<InvalidMeta> for Error {
+    fn from(e: InvalidMeta) -> Error {
+        Error::new(ErrorKind::InvalidMeta, e.to_string())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn message_errors_convert_with_their_kind() {
+        let e: Error = crate::message::MsgType::new("a..b").unwrap_err().into();
+        assert_eq!(e.kind(), ErrorKind::InvalidType);
+        assert!(
+            e.to_string().contains("a..b") || e.to_string().contains("empty"),
+            "{e}"
+        );
+        let e: Error = crate::message::Meta::new()
+            .insert("", "x")
+            .unwrap_err()
+            .into();
+        assert_eq!(e.kind(), ErrorKind::InvalidMeta);
+    }
 
     #[test]
     fn every_kind_has_a_code_that_reads_back() {

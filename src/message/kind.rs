@@ -6,8 +6,6 @@ use std::str::FromStr;
 
 use std::sync::Arc;
 
-use crate::error::{Error, ErrorKind};
-
 /// The type of a message: a dotted name such as `ml.splitter.output`.
 ///
 /// Grammar: one or more *segments* separated by `.`; a segment is one or more of
@@ -84,12 +82,6 @@ pub enum InvalidType {
         /// Its offset.
         at: usize,
     },
-}
-
-impl From<InvalidType> for Error {
-    fn from(e: InvalidType) -> Error {
-        Error::new(ErrorKind::InvalidType, e.to_string())
-    }
 }
 
 const fn is_segment_byte(b: u8) -> bool {
@@ -377,8 +369,6 @@ mod tests {
             MsgType::new("x".repeat(256)),
             Err(InvalidType::TooLong { len: 256, max: 255 })
         );
-        let e: Error = MsgType::new("a..b").unwrap_err().into();
-        assert_eq!(e.kind(), ErrorKind::InvalidType);
     }
 
     #[test]

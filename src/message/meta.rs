@@ -4,8 +4,6 @@ use std::fmt;
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::error::{Error, ErrorKind};
-
 /// The metadata of a message: a small ordered map of short string keys to string values.
 ///
 /// It is the address on the envelope (frame number, source, shape), not the parcel:
@@ -86,12 +84,6 @@ pub enum InvalidMeta {
     /// The encoding is cut short, has bytes left over, or declares zero entries.
     #[error("metadata encoding is malformed: {0}")]
     Malformed(&'static str),
-}
-
-impl From<InvalidMeta> for Error {
-    fn from(e: InvalidMeta) -> Error {
-        Error::new(ErrorKind::InvalidMeta, e.to_string())
-    }
 }
 
 fn key_for_error(key: &[u8]) -> String {

@@ -25,8 +25,6 @@ pub(crate) use body::{LeaseTag, LentMut};
 pub use kind::{IntoMsgType, InvalidType, MsgType};
 pub use meta::{InvalidMeta, Iter as MetaIter, Meta, MetaValue};
 
-use crate::error::Result;
-
 /// Bits of the fixed header that say what role a message plays.
 ///
 /// Undefined bits are reserved: the wire decoder rejects them, so a peer of an older version
@@ -138,9 +136,9 @@ pub struct Message {
 impl Message {
     /// A message of type `kind` with no metadata and an empty body.
     ///
-    /// Fails with [`ErrorKind::InvalidType`](crate::ErrorKind::InvalidType) when `kind` is not
-    /// a valid dotted name.
-    pub fn new(kind: impl IntoMsgType) -> Result<Message> {
+    /// Fails with [`InvalidType`] when `kind` is not a valid dotted name (`?` turns it into an
+    /// [`Error`](crate::Error) of kind [`InvalidType`](crate::ErrorKind::InvalidType)).
+    pub fn new(kind: impl IntoMsgType) -> Result<Message, InvalidType> {
         Ok(Message::from_parts(
             kind.into_msg_type()?,
             Meta::new(),
@@ -163,9 +161,10 @@ impl Message {
     /// integer, written in decimal (see [`MetaValue`]). Adding entries one after another
     /// appends to the map's encoding in place: N entries cost O(N).
     ///
-    /// Fails with [`ErrorKind::InvalidMeta`](crate::ErrorKind::InvalidMeta) when the key or
-    /// value is malformed. The per-channel limits on entries and bytes are checked at send.
-    pub fn with_meta(mut self, key: &str, value: impl MetaValue) -> Result<Message> {
+    /// Fails with [`InvalidMeta`] when the key or value is malformed (`?` turns it into an
+    /// [`Error`](crate::Error) of kind [`InvalidMeta`](crate::ErrorKind::InvalidMeta)). The
+    /// per-channel limits on entries and bytes are checked at send.
+    pub fn with_meta(mut self, key: &str, value: impl MetaValue) -> Result<Message, InvalidMeta> {
         value.with_text(|value| self.meta.insert(key, value))?;
         Ok(self)
     }
@@ -227,7 +226,6 @@ impl Message {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::ErrorKind;
 
     #[test]
     fn builder_shapes() {
@@ -240,17 +238,13 @@ mod tests {
         assert_eq!(m.meta().get("shard"), Some("3"));
         assert_eq!(m.body().as_bytes().unwrap().as_ref(), b"abc");
         assert_eq!(m.clone().into_body().len(), 3);
+        assert!(matches!(
+            Message::new("bad type").unwrap_err(),
+            InvalidType::BadByte { byte: ' ', at: 3 }
+        ));
         assert_eq!(
-            Message::new("bad type").unwrap_err().kind(),
-            ErrorKind::InvalidType
-        );
-        assert_eq!(
-            Message::new("a")
-                .unwrap()
-                .with_meta("", "x")
-                .unwrap_err()
-                .kind(),
-            ErrorKind::InvalidMeta
+            Message::new("a").unwrap().with_meta("", "x").unwrap_err(),
+            InvalidMeta::EmptyKey
         );
     }
 

@@ -103,7 +103,7 @@ pub(crate) fn fin(seq: u64) -> Message {
 }
 
 /// Builds a message whose keys and values are valid by construction.
-fn build(f: impl FnOnce() -> Result<Message>) -> Message {
+fn build(f: impl FnOnce() -> Result<Message, crate::message::InvalidMeta>) -> Message {
     f().expect("session control messages are well formed")
 }
 

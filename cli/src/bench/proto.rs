@@ -105,7 +105,7 @@ pub(crate) struct Outcome {
 
 type Failed = String;
 
-fn lost(e: hyperframes::Error) -> Failed {
+fn lost(e: impl std::fmt::Display) -> Failed {
     e.to_string()
 }
 
@@ -447,7 +447,8 @@ pub(crate) async fn run_point(
 ) -> Result<Outcome, Failed> {
     let verify = s.verify || pattern == Pattern::Bw;
     let start = Message::new(START)
-        .and_then(|m| m.with_meta("pattern", pattern.as_str()))
+        .map_err(lost)?
+        .with_meta("pattern", pattern.as_str())
         .and_then(|m| m.with_meta("verify", if verify { "1" } else { "0" }))
         .and_then(|m| m.with_meta("ms", s.duration.as_millis().to_string()))
         .map_err(lost)?;
