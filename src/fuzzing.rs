@@ -7,7 +7,7 @@
 
 use bytes::BytesMut;
 
-use crate::wire::Limits;
+use crate::message::Limits;
 
 /// Limits small enough that a fuzzer reaches them.
 fn limits() -> Limits {

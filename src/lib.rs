@@ -108,13 +108,12 @@ pub use channel::{
     ReuniteError, Sender,
 };
 pub use error::{Error, ErrorKind, Result};
-pub use message::{Body, BodyMut, Flags, Header, Location, Message, Meta, MsgType};
+pub use message::{Body, BodyMut, Flags, Header, Limits, Location, Message, Meta, MsgType};
 pub use text::escape_untrusted;
 pub use transport::identity::PeerIdentity;
 #[cfg(feature = "tls")]
 pub use transport::tcp::tls::TlsConfig;
 pub use url::Endpoint;
-pub use wire::Limits;
 
 #[cfg(feature = "rdma")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rdma")))]

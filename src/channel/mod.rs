@@ -22,10 +22,10 @@ use futures_util::future::poll_fn;
 use futures_util::task::noop_waker_ref;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::message::Limits;
 use crate::message::Message;
 use crate::transport::identity::PeerIdentity;
 use crate::transport::{Parts, RecvHalf, SendHalf};
-use crate::wire::Limits;
 
 pub use crate::transport::IoEngine;
 

@@ -321,6 +321,23 @@ impl IntoMsgType for &String {
     }
 }
 
+/// Remembers the last type decoded, so a run of messages of one type is validated once.
+#[derive(Default)]
+pub(crate) struct TypeCache(Option<MsgType>);
+
+impl TypeCache {
+    /// The type named `bytes`, validated (once per run of one type). A reference, so that
+    /// the caller clones it straight to where it goes: moving a `MsgType` through results and
+    /// tuples costs more than the lookup.
+    pub(crate) fn lookup(&mut self, bytes: &[u8]) -> Result<&MsgType, InvalidType> {
+        let hit = matches!(&self.0, Some(t) if t.as_bytes() == bytes);
+        if !hit {
+            self.0 = Some(MsgType::from_wire(bytes)?);
+        }
+        Ok(self.0.as_ref().expect("just filled"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,6 +15,7 @@
 
 mod body;
 mod kind;
+mod limits;
 mod meta;
 #[cfg(feature = "serde")]
 mod serde;
@@ -22,7 +23,9 @@ mod serde;
 pub use body::{Body, BodyMut, Location};
 #[cfg(any(feature = "shm", feature = "rdma"))]
 pub(crate) use body::{LeaseTag, LentMut};
+pub(crate) use kind::TypeCache;
 pub use kind::{IntoMsgType, InvalidType, MsgType};
+pub use limits::{LimitError, Limits};
 pub use meta::{InvalidMeta, Iter as MetaIter, Meta, MetaValue};
 
 /// Bits of the fixed header that say what role a message plays.

@@ -12,9 +12,9 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::message::Limits;
 use crate::message::{BodyMut, Message};
 use crate::url::Endpoint;
-use crate::wire::Limits;
 
 #[cfg(any(feature = "tcp", feature = "shm", feature = "rdma"))]
 pub(crate) mod heartbeat;

@@ -2,8 +2,8 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use super::{Limits, TypeCache};
 use crate::message::{Body, Flags, Header, InvalidMeta, InvalidType, Message, Meta, MsgType};
+use crate::message::{Limits, TypeCache};
 
 /// The length of the fixed frame header.
 pub const FRAME_HEAD_LEN: usize = 24;

@@ -2,7 +2,7 @@
 
 use bytes::BufMut;
 
-use super::Limits;
+use crate::message::Limits;
 
 /// The first eight bytes of every connection.
 pub const MAGIC: [u8; 8] = *b"HYPERFRM";

@@ -109,111 +109,13 @@ pub use handshake::{
     Capabilities, HANDSHAKE_LEN, Handshake, HandshakeError, MAGIC, MIN_HANDSHAKE_LEN, VERSION,
 };
 
-use crate::message::{Message, MsgType};
+use crate::message::Message;
 
-/// What a receiver accepts. Sent in the handshake; the sender respects the peer's.
-///
-/// Defaults: 64 MiB bodies, 4 KiB of encoded metadata, 32 metadata entries. Set them on the
-/// [`ContextBuilder`](crate::ContextBuilder).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Limits {
-    /// Largest body, in bytes.
-    pub max_body: u64,
-    /// Largest encoded metadata section, in bytes (see [`Meta::encoded_len`](crate::Meta::encoded_len)).
-    pub max_meta_bytes: u32,
-    /// Most metadata entries.
-    pub max_meta_entries: u16,
-}
-
-impl Limits {
-    /// The largest `max_body` a context may configure: 1 TiB.
-    pub const MAX_BODY_CEILING: u64 = 1 << 40;
-
-    /// Checks `msg` against these limits.
-    pub fn check(&self, msg: &Message) -> Result<(), LimitError> {
-        let body = msg.body().len() as u64;
-        if body > self.max_body {
-            return Err(LimitError::Body {
-                len: body,
-                max: self.max_body,
-            });
-        }
-        let meta = msg.meta();
-        if meta.len() > self.max_meta_entries as usize {
-            return Err(LimitError::MetaEntries {
-                count: meta.len(),
-                max: self.max_meta_entries,
-            });
-        }
-        if meta.encoded_len() > self.max_meta_bytes as usize {
-            return Err(LimitError::MetaBytes {
-                len: meta.encoded_len(),
-                max: self.max_meta_bytes,
-            });
-        }
-        Ok(())
-    }
-}
-
-impl Default for Limits {
-    fn default() -> Limits {
-        Limits {
-            max_body: 64 << 20,
-            max_meta_bytes: 4096,
-            max_meta_entries: 32,
-        }
-    }
-}
-
-/// A message that does not fit a set of [`Limits`].
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum LimitError {
-    /// The body is too large.
-    #[error("body of {len} bytes exceeds max_body of {max}")]
-    Body {
-        /// Body length.
-        len: u64,
-        /// Limit.
-        max: u64,
-    },
-    /// Too many metadata entries.
-    #[error("{count} metadata entries exceed max_meta_entries of {max}")]
-    MetaEntries {
-        /// Entry count.
-        count: usize,
-        /// Limit.
-        max: u16,
-    },
-    /// The metadata encoding is too large.
-    #[error("metadata of {len} encoded bytes exceeds max_meta_bytes of {max}")]
-    MetaBytes {
-        /// Encoded length.
-        len: usize,
-        /// Limit.
-        max: u32,
-    },
-}
+/// The limits are message-level (shm and rdma check them too); the wire sends them in its
+/// handshake.
+pub use crate::message::{LimitError, Limits};
 
 /// The encoded size of `msg`'s frame minus its body: header, type and metadata.
 pub fn head_len(msg: &Message) -> usize {
     FRAME_HEAD_LEN + msg.kind().len() + msg.meta().encoded_len()
-}
-
-/// Remembers the last type decoded, so a run of messages of one type is validated once.
-#[derive(Default)]
-pub(crate) struct TypeCache(Option<MsgType>);
-
-impl TypeCache {
-    /// The type named `bytes`, validated (once per run of one type). A reference, so that
-    /// the caller clones it straight to where it goes: moving a `MsgType` through results and
-    /// tuples costs more than the lookup.
-    pub(crate) fn lookup(&mut self, bytes: &[u8]) -> Result<&MsgType, crate::message::InvalidType> {
-        let hit = matches!(&self.0, Some(t) if t.as_bytes() == bytes);
-        if !hit {
-            self.0 = Some(MsgType::from_wire(bytes)?);
-        }
-        Ok(self.0.as_ref().expect("just filled"))
-    }
 }

@@ -34,10 +34,10 @@ use super::pool::{Lease, Pool, PoolError};
 use super::proto::{self, Connection, Params, ProtoError, ReadRequest};
 use super::verbs::{Access, Region, Verbs, VerbsError};
 use crate::error::{Error, ErrorKind, Result};
+use crate::message::Limits;
 use crate::message::{Body, BodyMut, LeaseTag, LentMut, Message};
 use crate::transport::heartbeat::{self, Silence};
 use crate::transport::{RecvHalf, SendHalf};
-use crate::wire::Limits;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())

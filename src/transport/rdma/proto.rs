@@ -105,8 +105,8 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 use bytes::Bytes;
 
 use super::verbs::RemoteRegion;
+use crate::message::Limits;
 use crate::message::{Body, Flags, Header, Message, Meta, MsgType};
-use crate::wire::Limits;
 
 /// `HELLO` magic.
 pub const MAGIC: [u8; 8] = *b"HFRDMA\0\0";

@@ -43,9 +43,9 @@ use super::ring::{self, RingStore};
 use super::segment::{Mapping, Segment, ShmArena, ShmRing};
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::{Body, BodyMut, Header, LeaseTag, LentMut, Message};
+use crate::message::{Limits, TypeCache};
 use crate::transport::heartbeat::{Liveness, Tick};
 use crate::transport::{Count, RecvHalf, SPIN, SendHalf, spin_until};
-use crate::wire::{Limits, TypeCache};
 
 /// Bodies up to this size are copied out of the arena on receive (and their block freed at
 /// once): cheaper than a lease, and it keeps small messages from pinning the arena.

@@ -42,8 +42,8 @@
 
 use bytes::Bytes;
 
+use crate::message::TypeCache;
 use crate::message::{Flags, Meta, MsgType};
-use crate::wire::TypeCache;
 
 use super::arena::{self, BLOCK_ALIGN};
 

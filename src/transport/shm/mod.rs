@@ -131,7 +131,7 @@ fn parts(
     sh: Arc<Shared>,
     cfg: &Config,
     url: &str,
-    peer_limits: crate::wire::Limits,
+    peer_limits: crate::message::Limits,
     peer: String,
 ) -> Parts {
     Parts {

@@ -32,7 +32,7 @@ use tokio::io::Interest;
 use tokio::net::UnixStream;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::wire::Limits;
+use crate::message::Limits;
 
 /// The size of a hello.
 const HELLO_LEN: usize = 64;

@@ -25,11 +25,12 @@ use futures_util::future::poll_fn;
 
 use super::sys::Io;
 use crate::error::{Error, ErrorKind, Result};
+use crate::message::Limits;
 use crate::message::Message;
 use crate::transport::heartbeat::{Liveness, Tick};
 use crate::transport::pipe::{Consumer, Item, Pipe, Producer, Signal, Stager, Unbatcher};
 use crate::transport::{Config, Count, RecvHalf, SendHalf};
-use crate::wire::{Batch, Capabilities, Control, Decoder, Frame, HANDSHAKE_LEN, Handshake, Limits};
+use crate::wire::{Batch, Capabilities, Control, Decoder, Frame, HANDSHAKE_LEN, Handshake};
 
 /// Bytes read into the shared receive buffer at a time (many small frames per read).
 const READ_CHUNK: usize = 256 << 10;

@@ -16,10 +16,11 @@ use super::admission::{Admission, Ticket};
 use super::conn::{self, Conn, TcpReceiver, TcpSender};
 use super::sys::{self, Io};
 use crate::error::{Error, ErrorKind, Result};
+use crate::message::Limits;
 use crate::transport::heartbeat::Liveness;
 use crate::transport::{AcceptHalf, Config, Parts};
 use crate::url::Endpoint;
-use crate::wire::{Batch, Control, Limits};
+use crate::wire::{Batch, Control};
 
 pub(super) async fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>> {
     let ep = Endpoint::Tcp {
