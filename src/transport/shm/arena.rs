@@ -20,6 +20,9 @@
 //! before an end of the arena, the bytes up to that end are skipped; when the arena is empty,
 //! allocation starts over at 0.
 
+// The loom seam holds here: std's atomics are refused (clippy.toml).
+#![deny(clippy::disallowed_types, clippy::disallowed_methods)]
+
 use std::collections::VecDeque;
 use std::sync::Arc;
 

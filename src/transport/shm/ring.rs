@@ -20,6 +20,9 @@
 //! not the expected one is simply not ready (a peer that never publishes stalls, as any peer
 //! can), `head` is checked before use, and every descriptor is validated by `desc::check`.
 
+// The loom seam holds here: std's atomics are refused (clippy.toml).
+#![deny(clippy::disallowed_types, clippy::disallowed_methods)]
+
 use super::desc::{Desc, WORDS};
 use crate::loom::Padded;
 use crate::loom::sync::{AtomicU32, AtomicU64, Ordering, fence};

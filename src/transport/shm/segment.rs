@@ -20,6 +20,9 @@
 //! mapping are handed out only for bodies when the peer is trusted with them (see the module
 //! docs of `shm`). Every pointer computed here is bounds-checked in release builds too.
 
+// The loom seam holds here: std's atomics are refused (clippy.toml).
+#![deny(clippy::disallowed_types, clippy::disallowed_methods)]
+
 use std::os::fd::{AsFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -172,6 +175,8 @@ pub(crate) struct Segment {
     id: u64,
 }
 
+// A process-wide counter, outside the protocol (and a `static`, which loom's atomics cannot be).
+#[allow(clippy::disallowed_types)]
 static NEXT_SEGMENT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 fn io(what: &'static str) -> impl FnOnce(std::io::Error) -> Error {
