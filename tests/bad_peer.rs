@@ -862,6 +862,69 @@ async fn unknown_frame_kind(engine: IoEngine) {
     expect_error_frame_then_eof(&mut raw, "kind").await;
 }
 
+/// A failure found while a message is only partly written (the peer stopped reading in the
+/// middle of a large body): the `ERROR` frame that tells the peer must not land in the middle
+/// of that frame, where the peer would read it as the rest of the body (a message with a
+/// corrupted body, delivered). Either the frame is finished first and the `ERROR` follows, or
+/// the stream ends mid-frame (the peer sees a truncated frame); every byte the peer gets
+/// before the end of the message's frame is the message's.
+async fn error_after_a_partly_written_frame(engine: IoEngine) {
+    let Some((_ctx, mut listener, url)) = listen(engine).await else {
+        return;
+    };
+    let (mut raw, ch) = established(&url, &mut listener, &[]).await;
+    let (mut tx, mut rx) = ch.split();
+    // Larger than what the socket buffers of both ends hold: the write stops part-way.
+    let body: Vec<u8> = (0..32u32 << 20).map(|i| (i % 251) as u8).collect();
+    let msg = Message::new("test.large").unwrap().with_body(body.clone());
+    guard("send", tx.send(msg)).await.unwrap();
+    // Let the I/O threads (uring, epoll) start writing too.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // A protocol violation: the channel fails and owes the peer an ERROR frame.
+    raw.write_all(&head(9, 0, 0, 0, 0, 0)).await.unwrap();
+    match guard("recv", rx.recv()).await {
+        Some(Err(e)) => assert_eq!(e.kind(), ErrorKind::Protocol, "{e}"),
+        other => panic!("expected a protocol error, got {other:?}"),
+    }
+    let got = read_to_eof(&mut raw).await;
+    let frame = message_frame("test.large", &[], &body, 0, 0);
+    let n = got.len().min(frame.len());
+    if let Some(at) = (0..n).find(|&i| got[i] != frame[i]) {
+        panic!(
+            "byte {at} of the message's frame ({} bytes) is not the message's: {:?} (the \
+             ERROR frame written into the middle of it?)",
+            frame.len(),
+            &got[at..n.min(at + 16)]
+        );
+    }
+    if got.len() > frame.len() {
+        let frames = parse_frames(&got[frame.len()..]);
+        assert_eq!(frames.len(), 1, "one ERROR frame after the message");
+        assert!(
+            frames[0].reason().contains("kind"),
+            "{:?}",
+            frames[0].reason()
+        );
+    }
+}
+
+mod error_after_a_partly_written_frame {
+    use hyperframes::IoEngine;
+
+    #[tokio::test]
+    async fn uring() {
+        super::error_after_a_partly_written_frame(IoEngine::Uring).await
+    }
+    #[tokio::test]
+    async fn epoll() {
+        super::error_after_a_partly_written_frame(IoEngine::Epoll).await
+    }
+    #[tokio::test]
+    async fn inline() {
+        super::error_after_a_partly_written_frame(IoEngine::Inline).await
+    }
+}
+
 async fn oversized_metadata(engine: IoEngine) {
     let Some((_ctx, mut listener, url)) = listen(engine).await else {
         return;

@@ -163,6 +163,25 @@ pub fn advance(chunks: &mut Vec<Bytes>, mut n: usize) {
     chunks.drain(..done);
 }
 
+/// Keeps the first `n` bytes of `chunks` and drops the rest (buffers past them are removed,
+/// the buffer `n` ends in is cut, without a copy).
+pub fn truncate(chunks: &mut Vec<Bytes>, mut n: usize) {
+    let mut keep = 0;
+    for c in chunks.iter_mut() {
+        if n == 0 {
+            break;
+        }
+        keep += 1;
+        if n <= c.len() {
+            c.truncate(n);
+            n = 0;
+        } else {
+            n -= c.len();
+        }
+    }
+    chunks.truncate(keep);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -184,6 +203,23 @@ mod tests {
         assert_eq!(chunks[1].as_ptr(), big.as_ptr());
         assert_eq!(chunks[2].len(), 24);
         assert!(b.is_empty());
+    }
+
+    #[test]
+    fn truncate_keeps_a_prefix() {
+        let chunks = || vec![Bytes::from_static(b"abc"), Bytes::from_static(b"defg")];
+        for (n, want) in [
+            (0, &[][..]),
+            (2, &[&b"ab"[..]][..]),
+            (3, &[&b"abc"[..]][..]),
+            (5, &[&b"abc"[..], &b"de"[..]][..]),
+            (7, &[&b"abc"[..], &b"defg"[..]][..]),
+            (9, &[&b"abc"[..], &b"defg"[..]][..]),
+        ] {
+            let mut c = chunks();
+            truncate(&mut c, n);
+            assert_eq!(c, want, "first {n} bytes");
+        }
     }
 
     #[test]

@@ -101,7 +101,7 @@ mod batch;
 mod frame;
 mod handshake;
 
-pub use batch::{Batch, advance};
+pub use batch::{Batch, advance, truncate};
 pub use frame::{
     Control, Decoder, FRAME_HEAD_LEN, Frame, FrameError, FrameHead, FrameKind, MAX_ERROR_REASON,
 };

@@ -126,10 +126,12 @@ struct Writer {
     /// Bytes appended and written: flush and backpressure compare them.
     appended: u64,
     written: u64,
-    /// Where each message appended and not completely written yet ends in the stream
-    /// (oldest first), and how many messages were completely written: what a connection
-    /// that ends early did not send.
-    ends: VecDeque<u64>,
+    /// Where each frame appended and not completely written yet ends in the stream (oldest
+    /// first; `true` for a message), the end of the last frame completely written, and how
+    /// many messages were: what a connection that ends early did not send, and where the
+    /// stream can take an `ERROR` frame.
+    ends: VecDeque<(u64, bool)>,
+    boundary: u64,
     msgs_written: u64,
     /// `tls://`: bytes sealed into records that wait in the session for the socket (they
     /// count as written once it took them).
@@ -161,20 +163,47 @@ impl Writer {
         let before = self.batch.bytes();
         self.batch.push_message(msg);
         self.appended += (self.batch.bytes() - before) as u64;
-        self.ends.push_back(self.appended);
+        self.ends.push_back((self.appended, true));
     }
 
     /// Counts the messages whose last byte is now written.
     fn settle(&mut self) {
-        let done = self.ends.partition_point(|&end| end <= self.written);
-        self.msgs_written += done as u64;
-        self.ends.drain(..done);
+        let done = self.ends.partition_point(|&(end, _)| end <= self.written);
+        for (end, message) in self.ends.drain(..done) {
+            self.msgs_written += u64::from(message);
+            self.boundary = end;
+        }
     }
 
     fn push_control(&mut self, c: &Control) {
         let before = self.batch.bytes();
         self.batch.push_control(c);
         self.appended += (self.batch.bytes() - before) as u64;
+        self.ends.push_back((self.appended, false));
+    }
+
+    /// Gives up what is pending but the rest of a frame the socket has taken in part (an
+    /// `ERROR` frame written after a partial frame would be read by the peer as the rest of
+    /// it: a message with a corrupted body), then appends `c`.
+    fn abandon_for(&mut self, c: &Control) {
+        // On `tls://` what is sealed is as good as written: the session sends it first.
+        let at = self.written + self.sealed;
+        let mut start = self.boundary;
+        let mut rest = 0;
+        for &(end, _) in &self.ends {
+            if end > at {
+                if at > start {
+                    rest = end - at;
+                }
+                break;
+            }
+            start = end;
+        }
+        self.batch.take_into(&mut self.out);
+        crate::wire::truncate(&mut self.out, rest as usize);
+        self.appended = at + rest;
+        self.ends.retain(|&(end, _)| end <= self.appended);
+        self.push_control(c);
     }
 
     /// Writes what is pending without blocking (on `tls://`, sealed into records first).
@@ -331,6 +360,7 @@ pub(super) fn start(
             appended: 0,
             written: 0,
             ends: VecDeque::new(),
+            boundary: 0,
             msgs_written: 0,
             sealed: 0,
             stop_owed: false,
@@ -1167,14 +1197,7 @@ impl Shared {
 async fn finish_failed(sh: &Shared) {
     let reason = sh.lock().error_reason.take();
     if let Some(reason) = reason {
-        {
-            let mut w = sh.lock();
-            // What was pending is abandoned: the stream position is lost anyway.
-            w.out.clear();
-            w.batch.take();
-            w.ends.clear();
-            w.push_control(&Control::Error(reason));
-        }
+        sh.lock().abandon_for(&Control::Error(reason));
         let _ = tokio::time::timeout(ERROR_WRITE, async {
             loop {
                 let r = sh.lock().write(sh);
