@@ -550,6 +550,35 @@ async fn listener_reports_its_address(t: T) {
     }
 }
 
+/// A consumer that always finds a message waiting still lets the tasks of its runtime run
+/// (every 128 receives, as tokio's channels do): on a current-thread runtime the connection's
+/// own tasks (writes, heartbeats, a session's driver) would otherwise wait for the whole queue.
+async fn a_busy_receiver_lets_other_tasks_run(t: T) {
+    let (_ctx, mut c, mut s) = pair(t).await;
+    const N: u64 = 200;
+    for i in 0..N {
+        c.send(msg(i, 16)).await.unwrap();
+    }
+    c.flush().await.unwrap();
+    // All of them waiting at the receiver.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let ran = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = ran.clone();
+    tokio::spawn(async move { flag.store(true, Ordering::Relaxed) });
+    let mut ran_at = None;
+    for i in 0..N {
+        let m = timeout(GUARD, s.recv()).await.unwrap().unwrap().unwrap();
+        assert_eq!(seq(&m), i);
+        if ran_at.is_none() && ran.load(Ordering::Relaxed) {
+            ran_at = Some(i);
+        }
+    }
+    assert!(
+        ran_at.is_some(),
+        "{N} receives in a row and the other task never ran"
+    );
+}
+
 macro_rules! suite {
     ($($name:ident),* $(,)?) => {
         mod inproc { $( #[tokio::test] async fn $name() { super::$name(super::T::Inproc).await } )* }
@@ -583,6 +612,7 @@ suite!(
     ping_pong_many_times,
     channels_outlive_their_context,
     listener_reports_its_address,
+    a_busy_receiver_lets_other_tasks_run,
 );
 
 /// The same round trips with the two sides on different threads (a current-thread runtime

@@ -525,13 +525,23 @@ impl Receiver {
         poll_fn(|cx| self.poll_recv_inner(cx)).await
     }
 
+    /// Spends the task's tokio budget as tokio's own channels do: a loop that always finds a
+    /// message waiting still yields now and then (every 128 receives), so that the tasks it
+    /// shares its runtime with run, among them the connection's own (its writes, its
+    /// heartbeats) and a session's driver. Without it a consumer busy with a full queue on a
+    /// current-thread runtime kept them off the CPU until the peer declared it silent.
     #[inline]
     fn poll_recv_inner(&mut self, cx: &mut TaskContext<'_>) -> Poll<Option<Result<Message>>> {
-        match self.half.poll_recv(cx) {
+        let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
+        let got = match self.half.poll_recv(cx) {
             Poll::Ready(Some(Ok(m))) if self.asm.passes(&m) => Poll::Ready(Some(Ok(m))),
-            Poll::Pending => Poll::Pending,
+            Poll::Pending => return Poll::Pending,
             other => self.assemble(other, cx),
+        };
+        if got.is_ready() {
+            coop.made_progress();
         }
+        got
     }
 
     /// Everything but an ordinary message: pieces of a body sent from device memory, the
