@@ -19,12 +19,27 @@ use tokio::time::timeout;
 
 const GUARD: Duration = Duration::from_secs(60);
 const PORT: u16 = 7400;
+/// Heartbeats of the tests on a clean link: lost after 1 s. (5 misses, 500 ms, was found
+/// too tight for debug builds on a loaded 2-core CI machine: a peer starved of the CPU for
+/// half a second was declared silent before the fault was injected.)
 const BEAT: Duration = Duration::from_millis(100);
-const MISSES: u32 = 5;
+const MISSES: u32 = 10;
 
 fn context() -> Context {
     Context::builder()
         .heartbeat(Some(BEAT), MISSES)
+        .build()
+        .unwrap()
+}
+
+/// For the lossy path: on a link that drops 5 % of packets behind a 40 Mbit/s bucket, TCP
+/// can be silent for a retransmission timeout that doubles with each loss in a row (200, 400,
+/// 800 ms ...), longer than the other tests allow. Heartbeats find frozen peers,
+/// not TCP's own recovery: here each side allows 3 s (we promise a beat every 600 ms, the
+/// peer waits 5 of them; the peer promises 100 ms, we wait 30).
+fn lossy_context() -> Context {
+    Context::builder()
+        .heartbeat(Some(Duration::from_millis(600)), 30)
         .build()
         .unwrap()
 }
@@ -122,11 +137,13 @@ impl Netns {
         .unwrap();
     }
 
-    /// Drops `percent` % of the packets leaving our end, at random (nftables, egress hook).
+    /// Drops `percent` % of the IPv4 packets leaving our end, at random (nftables, egress
+    /// hook). Not ARP: three lost ARP requests in a row fail a connect with "no route to host"
+    /// (seen in CI), which is not the fault under test.
     fn loss(&self, percent: u32) {
         let ruleset = format!(
             "table netdev {n} {{\n  chain c {{\n    type filter hook egress device {d} priority 0;\n    \
-             numgen random mod 100 < {percent} counter drop\n  }}\n}}\n",
+             meta protocol ip numgen random mod 100 < {percent} counter drop\n  }}\n}}\n",
             n = self.name,
             d = self.here
         );
@@ -275,6 +292,30 @@ fn body(i: u64) -> Bytes {
     )
 }
 
+/// The body is `want`, or a panic that says how it differs (not 64 KiB of bytes).
+#[track_caller]
+fn check_body(m: &Message, want: &Bytes) {
+    let Some(got) = m.body().as_bytes() else {
+        panic!(
+            "incomplete: the body is not in host memory: {:?}",
+            m.header()
+        );
+    };
+    if got != want {
+        let at = got.iter().zip(want.iter()).position(|(a, b)| a != b);
+        panic!(
+            "incomplete: {} bytes, expected {}; first difference at {at:?} ({:?} where {:?} was \
+             expected); header {:?}, meta {:?}",
+            got.len(),
+            want.len(),
+            at.map(|at| &got[at..got.len().min(at + 16)]),
+            at.map(|at| &want[at..want.len().min(at + 16)]),
+            m.header(),
+            m.meta()
+        );
+    }
+}
+
 /// Random loss and a rate limit on the path: every message comes back complete, in order,
 /// exactly once (TCP's job, with our framing on top of it).
 #[tokio::test]
@@ -285,7 +326,11 @@ async fn loss_and_a_rate_limit_lose_nothing() {
     let ns = Netns::new(1).unwrap();
     ns.loss(5);
     ns.rate("40mbit");
-    let (_peer, ch) = connect(&ns).await;
+    let _peer = Peer::start(&ns);
+    let ch = timeout(GUARD, lossy_context().connect(&ns.url()))
+        .await
+        .unwrap()
+        .unwrap();
     let (mut tx, mut rx) = ch.split();
     const N: u64 = 400;
     let start = Instant::now();
@@ -308,7 +353,7 @@ async fn loss_and_a_rate_limit_lose_nothing() {
             Some(i.to_string().as_str()),
             "in order"
         );
-        assert_eq!(m.body().as_bytes(), Some(&body(i)), "complete");
+        check_body(&m, &body(i));
         bytes += m.body().len();
     }
     let mut tx = timeout(GUARD, sender).await.unwrap().unwrap();
@@ -364,7 +409,11 @@ async fn a_link_cut_mid_transfer_is_found_by_heartbeats() {
         }
     };
     let found = cut.elapsed();
-    assert_eq!(e.kind(), ErrorKind::ConnectionLost, "{e}");
+    assert_eq!(
+        e.kind(),
+        ErrorKind::ConnectionLost,
+        "{e} ({found:?} after the cut)"
+    );
     assert!(e.to_string().contains("silent for"), "{e}");
     let e2 = timeout(GUARD, sender).await.unwrap().unwrap();
     assert_eq!(e2.kind(), ErrorKind::ConnectionLost, "{e2}");
@@ -419,7 +468,7 @@ async fn a_session_resumes_after_the_link_comes_back_and_loses_nothing() {
             ns.link(false);
             let t = Instant::now();
             cut_at = Some(t);
-            // Longer than the heartbeat bound (5 x 100 ms): both sides see the loss.
+            // Longer than the heartbeat bound (10 x 100 ms): both sides see the loss.
             tokio::time::sleep(BEAT * MISSES * 3).await;
             ns.link(true);
             down_for = t.elapsed();
@@ -430,7 +479,7 @@ async fn a_session_resumes_after_the_link_comes_back_and_loses_nothing() {
             Some(i.to_string().as_str()),
             "in order, exactly once"
         );
-        assert_eq!(m.body().as_bytes(), Some(&body(i % 64)), "complete");
+        check_body(&m, &body(i % 64));
     }
     let resumed_after = cut_at.unwrap().elapsed();
     let mut tx = timeout(GUARD, sender).await.unwrap().unwrap();
