@@ -104,8 +104,8 @@ mod url;
 pub mod wire;
 
 pub use channel::{
-    Channel, ChannelInfo, Context, ContextBuilder, ContextStats, IoEngine, Listener, Receiver,
-    ReuniteError, Sender,
+    Channel, ChannelInfo, ChannelStats, Context, ContextBuilder, ContextStats, IoEngine, Listener,
+    Receiver, ReuniteError, Sender,
 };
 pub use error::{Error, ErrorKind, Result};
 pub use message::{Body, BodyMut, Flags, Header, Limits, Location, Message, Meta, MsgType};

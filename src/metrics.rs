@@ -12,6 +12,10 @@
 //! |---|---|---|---|
 //! | `hyperframes_channels_opened_total` | counter | `transport` | channels connected or accepted (a session's channel, and each connection under it) |
 //! | `hyperframes_channels_open` | gauge | `transport` | channels with a half still alive |
+//! | `hyperframes_messages_sent_total` | counter | `transport` | messages a channel's `Sender` handed over, added when the channel ends ([`ChannelInfo::stats`](crate::ChannelInfo::stats) has a live channel's) |
+//! | `hyperframes_message_bytes_sent_total` | counter | `transport` | their body bytes, likewise |
+//! | `hyperframes_messages_received_total` | counter | `transport` | messages a channel's `Receiver` yielded, added when the channel ends |
+//! | `hyperframes_message_bytes_received_total` | counter | `transport` | their body bytes, likewise |
 //! | `hyperframes_unsent_messages_total` | counter | | messages a `Sender` accepted that never went out ([`ContextStats::unsent`](crate::ContextStats::unsent)) |
 //! | `hyperframes_unread_messages_total` | counter | | messages that arrived for a dropped `Receiver` ([`ContextStats::unread`](crate::ContextStats::unread)) |
 //! | `hyperframes_serve_channels_accepted_total` | counter | | channels `serve` accepted |
@@ -49,6 +53,26 @@ pub fn describe() {
         "hyperframes_channels_open",
         Count,
         "Channels with a half still alive, by transport"
+    );
+    describe_counter!(
+        "hyperframes_messages_sent_total",
+        Count,
+        "Messages handed over by the Senders of channels that ended, by transport"
+    );
+    describe_counter!(
+        "hyperframes_message_bytes_sent_total",
+        Unit::Bytes,
+        "Body bytes handed over by the Senders of channels that ended, by transport"
+    );
+    describe_counter!(
+        "hyperframes_messages_received_total",
+        Count,
+        "Messages yielded by the Receivers of channels that ended, by transport"
+    );
+    describe_counter!(
+        "hyperframes_message_bytes_received_total",
+        Unit::Bytes,
+        "Body bytes yielded by the Receivers of channels that ended, by transport"
     );
     describe_counter!(
         "hyperframes_unsent_messages_total",

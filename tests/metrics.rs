@@ -60,7 +60,14 @@ async fn counters_reach_the_installed_recorder() {
         value(&prometheus, r#"hyperframes_channels_open{transport="tcp"}"#),
         2.0
     );
-    let (tx, rx) = c.split();
+    let (mut tx, rx) = c.split();
+    let mut s = s;
+    for n in [3usize, 5] {
+        tx.send(Message::new("t.count").unwrap().with_body(vec![1u8; n]))
+            .await
+            .unwrap();
+        s.recv().await.unwrap().unwrap();
+    }
     drop(tx);
     assert_eq!(
         value(&prometheus, r#"hyperframes_channels_open{transport="tcp"}"#),
@@ -73,6 +80,24 @@ async fn counters_reach_the_installed_recorder() {
         value(&prometheus, r#"hyperframes_channels_open{transport="tcp"}"#),
         0.0
     );
+    // What the channels carried, added when each ended.
+    for (series, want) in [
+        (r#"hyperframes_messages_sent_total{transport="tcp"}"#, 2.0),
+        (
+            r#"hyperframes_message_bytes_sent_total{transport="tcp"}"#,
+            8.0,
+        ),
+        (
+            r#"hyperframes_messages_received_total{transport="tcp"}"#,
+            2.0,
+        ),
+        (
+            r#"hyperframes_message_bytes_received_total{transport="tcp"}"#,
+            8.0,
+        ),
+    ] {
+        assert_eq!(value(&prometheus, series), want, "{series}");
+    }
 
     // A context's losses: messages that arrived for a dropped receiver.
     let (mut a, b) = {

@@ -101,6 +101,60 @@ async fn drain(ch: &mut Channel) -> u64 {
     got
 }
 
+/// `ChannelInfo::stats`: the Sender counts what it handed over (not what `try_send` handed
+/// back for lack of room, nor a `feed` cancelled while it waited), the Receiver what it
+/// yielded; with everything read, the two agree.
+async fn channel_stats_count_what_each_half_handed_over(url: &str, engine: IoEngine, body: usize) {
+    let server_ctx = ctx(engine);
+    let client_ctx = if url.starts_with("inproc") {
+        server_ctx.clone()
+    } else {
+        ctx(engine)
+    };
+    let (ch, mut server) = connected(&server_ctx, &client_ctx, url).await;
+    let body = Bytes::from(vec![9u8; body]);
+    let (mut tx, _rx) = ch.split();
+    let sent = fill(&mut tx, &body).await;
+    let len = body.len() as u64;
+    let s = tx.info().stats();
+    assert_eq!((s.sent, s.sent_bytes), (sent, sent * len), "{url}: {s:?}");
+    assert_eq!((s.received, s.received_bytes), (0, 0));
+    // Closing flushes what waits for the reader: read meanwhile.
+    let (closed, got) = tokio::join!(timeout(GUARD, tx.close()), drain(&mut server));
+    closed.unwrap().unwrap();
+    assert_eq!(got, sent, "{url}");
+    let r = server.info().stats();
+    assert_eq!(
+        (r.received, r.received_bytes, r.sent),
+        (got, got * len, 0),
+        "{url}: {r:?}"
+    );
+}
+
+#[tokio::test]
+async fn tcp_inline_channel_stats() {
+    channel_stats_count_what_each_half_handed_over("tcp://127.0.0.1:0", IoEngine::Inline, 4096)
+        .await;
+}
+
+#[tokio::test]
+async fn epoll_channel_stats() {
+    channel_stats_count_what_each_half_handed_over("tcp://127.0.0.1:0", IoEngine::Epoll, 4096)
+        .await;
+}
+
+#[tokio::test]
+async fn inproc_channel_stats() {
+    channel_stats_count_what_each_half_handed_over("inproc://stats", IoEngine::Auto, 100).await;
+}
+
+#[tokio::test]
+async fn shm_channel_stats() {
+    // Bodies larger than the arena: try_send takes back what it staged for lack of room.
+    let url = format!("shm://chstats-{}", std::process::id());
+    channel_stats_count_what_each_half_handed_over(&url, IoEngine::Auto, 1 << 20).await;
+}
+
 /// The peer reads nothing until the dropped Sender's linger is over: what it then reads
 /// and what the sender's context counts add up to what was accepted, exactly.
 async fn a_dropped_sender_accounts_for_every_message(url: &str, engine: IoEngine, body: usize) {

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context as TaskContext, Poll};
 
+use crossbeam_utils::CachePadded;
 use futures_core::Stream;
 use futures_sink::Sink;
 use futures_util::future::poll_fn;
@@ -38,8 +39,59 @@ pub struct ChannelInfo {
     peer_limits: Limits,
     peer_identity: Option<Arc<PeerIdentity>>,
     span: tracing::Span,
+    /// What the Sender and the Receiver counted, each on a cache line of its own.
+    sent: CachePadded<Tally>,
+    received: CachePadded<Tally>,
     _open: crate::metrics::Held,
     _keepalive: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+/// What one channel carried, as its halves counted it. Read with [`ChannelInfo::stats`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ChannelStats {
+    /// Messages the [`Sender`] handed to the transport (a `send` that completed, a `feed`, a
+    /// `try_send` that returned `Ok`); a cancelled `send` that took its message back is not
+    /// counted. Handed over is not yet delivered: see [`ContextStats`] for what a dropped
+    /// Sender never wrote, and [sessions](crate::session) for acknowledged delivery.
+    pub sent: u64,
+    /// Their body bytes.
+    pub sent_bytes: u64,
+    /// Messages the [`Receiver`] yielded to the application.
+    pub received: u64,
+    /// Their body bytes.
+    pub received_bytes: u64,
+}
+
+/// A message count and a byte count written by one half only (a load and a store, no
+/// read-modify-write on the hot path), read by anyone.
+#[derive(Default)]
+struct Tally {
+    messages: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl Tally {
+    /// Only the owning half calls this (`&mut` on it serialises the calls).
+    #[inline]
+    fn add(&self, messages: u64, bytes: u64) {
+        let m = self.messages.load(Ordering::Relaxed).wrapping_add(messages);
+        self.messages.store(m, Ordering::Relaxed);
+        let b = self.bytes.load(Ordering::Relaxed).wrapping_add(bytes);
+        self.bytes.store(b, Ordering::Relaxed);
+    }
+
+    /// Takes back a message counted by [`add`](Self::add) (a send that took it back).
+    fn undo(&self, bytes: u64) {
+        self.add(1u64.wrapping_neg(), bytes.wrapping_neg());
+    }
+
+    fn read(&self) -> (u64, u64) {
+        (
+            self.messages.load(Ordering::Relaxed),
+            self.bytes.load(Ordering::Relaxed),
+        )
+    }
 }
 
 impl ChannelInfo {
@@ -105,6 +157,19 @@ impl ChannelInfo {
     pub fn span(&self) -> &tracing::Span {
         &self.span
     }
+
+    /// Messages and body bytes sent and received on this channel so far. Counting costs
+    /// each half a load and a store per message on a cache line it owns.
+    pub fn stats(&self) -> ChannelStats {
+        let (sent, sent_bytes) = self.sent.read();
+        let (received, received_bytes) = self.received.read();
+        ChannelStats {
+            sent,
+            sent_bytes,
+            received,
+            received_bytes,
+        }
+    }
 }
 
 /// The channel's span; see [`ChannelInfo::span`].
@@ -124,6 +189,19 @@ fn channel_span(id: u64, transport: &'static str, local: &str, peer: &str) -> tr
         network.peer.address = peer,
         hf.channel.id = id,
     )
+}
+
+/// A channel's totals reach the `metrics` recorder when it ends (both halves gone): counting
+/// every message through the facade would cost a recorder call each.
+impl Drop for ChannelInfo {
+    fn drop(&mut self) {
+        let s = self.stats();
+        let transport = self.transport;
+        crate::metrics::count!("hyperframes_messages_sent_total", s.sent, "transport" => transport);
+        crate::metrics::count!("hyperframes_message_bytes_sent_total", s.sent_bytes, "transport" => transport);
+        crate::metrics::count!("hyperframes_messages_received_total", s.received, "transport" => transport);
+        crate::metrics::count!("hyperframes_message_bytes_received_total", s.received_bytes, "transport" => transport);
+    }
 }
 
 impl fmt::Debug for ChannelInfo {
@@ -204,6 +282,8 @@ impl Channel {
             peer_limits: parts.peer_limits,
             peer_identity: parts.peer_identity,
             span,
+            sent: CachePadded::default(),
+            received: CachePadded::default(),
             _open: crate::metrics::Held::channel(parts.transport),
             _keepalive: parts.keepalive,
         });
@@ -299,11 +379,16 @@ impl Sender {
             )
             .with_message(msg));
         }
+        let bytes = msg.body().len() as u64;
         #[cfg(feature = "cuda")]
         if self.stage.wants(&msg) {
-            return self.stage.start(&mut *self.half, msg, &self.info.peer);
+            self.stage.start(&mut *self.half, msg, &self.info.peer)?;
+            self.info.sent.add(1, bytes);
+            return Ok(());
         }
-        self.half.start_send(msg)
+        self.half.start_send(msg)?;
+        self.info.sent.add(1, bytes);
+        Ok(())
     }
 
     /// Hands over the rest of a device body in progress, then what the transport staged.
@@ -354,6 +439,7 @@ impl Sender {
         // shared-memory arena without room yet), take it back: a cancelled send sent nothing.
         let mut submit = Unstage {
             half: &mut *self.half,
+            sent: &self.info.sent,
             armed: true,
         };
         let r = poll_fn(|cx| submit.half.poll_submit(cx)).await;
@@ -413,11 +499,14 @@ impl Sender {
                     // Accepted but not handed over (a shared-memory arena without room): take
                     // it back rather than leave it waiting for a later call.
                     Poll::Pending => match self.half.unstage() {
-                        Some(m) => Err(Error::new(
-                            ErrorKind::Full,
-                            format!("no room for the message to {} now", self.info.peer),
-                        )
-                        .with_message(m)),
+                        Some(m) => {
+                            self.info.sent.undo(m.body().len() as u64);
+                            Err(Error::new(
+                                ErrorKind::Full,
+                                format!("no room for the message to {} now", self.info.peer),
+                            )
+                            .with_message(m))
+                        }
                         None => Ok(()),
                     },
                 }
@@ -501,16 +590,20 @@ impl RecvHalf for Ended {
     }
 }
 
-/// Takes back, on drop, a message a transport accepted but has not taken yet.
+/// Takes back, on drop, a message a transport accepted but has not taken yet (and its
+/// count).
 struct Unstage<'a> {
     half: &'a mut dyn SendHalf,
+    sent: &'a Tally,
     armed: bool,
 }
 
 impl Drop for Unstage<'_> {
     fn drop(&mut self) {
-        if self.armed {
-            drop(self.half.unstage());
+        if self.armed
+            && let Some(m) = self.half.unstage()
+        {
+            self.sent.undo(m.body().len() as u64);
         }
     }
 }
@@ -538,8 +631,11 @@ impl Receiver {
             Poll::Pending => return Poll::Pending,
             other => self.assemble(other, cx),
         };
-        if got.is_ready() {
+        if let Poll::Ready(r) = &got {
             coop.made_progress();
+            if let Some(Ok(m)) = r {
+                self.info.received.add(1, m.body().len() as u64);
+            }
         }
         got
     }
