@@ -34,7 +34,8 @@
 //! | `hyperframes_client_unsolicited_total` | counter | | messages a `Client` received that were not replies |
 //!
 //! The `filter` label is the name given with `TypeFilterLayer::named`, empty when it has
-//! none. `cargo run --example metrics --features metrics` prints them as Prometheus text.
+//! none. A [session](crate::session)'s messages count on its channel and again on each
+//! connection under it (with the session's acknowledgements), as its channels do. `cargo run --example metrics --features metrics` prints them as Prometheus text.
 
 #[cfg(feature = "metrics")]
 use ::metrics::{Unit, describe_counter, describe_gauge};
