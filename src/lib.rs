@@ -100,7 +100,6 @@ pub mod middleware;
 pub mod session;
 mod text;
 mod transport;
-mod url;
 pub mod wire;
 
 pub use channel::{
@@ -113,7 +112,7 @@ pub use text::escape_untrusted;
 pub use transport::identity::PeerIdentity;
 #[cfg(feature = "tls")]
 pub use transport::tcp::tls::TlsConfig;
-pub use url::Endpoint;
+pub use transport::{Address, Endpoint};
 
 #[cfg(feature = "rdma")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rdma")))]

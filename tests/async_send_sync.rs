@@ -40,6 +40,7 @@ fn public_types_are_send_sync_unpin() {
         Error,
         ErrorKind,
         Endpoint,
+        Address,
         Limits,
         IoEngine,
         InvalidType,

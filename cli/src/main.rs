@@ -150,8 +150,11 @@ pub(crate) fn build_context(
 /// `hf listen` and `hf send` run in a process of their own: an `inproc://` name there can
 /// never be reached by anyone else. Refused as a usage error, naming what to use instead.
 pub(crate) fn reachable(url: &str) -> Result<(), Failure> {
-    match hyperframes::Endpoint::parse(url).map_err(Failure::usage)? {
-        hyperframes::Endpoint::Inproc { .. } => Err(Failure::usage(format!(
+    match hyperframes::Endpoint::parse(url)
+        .map_err(Failure::usage)?
+        .scheme()
+    {
+        "inproc" => Err(Failure::usage(format!(
             "{url}: inproc:// channels exist inside one process, and no other process can reach \
              this one's; use tcp://HOST:PORT, or shm://NAME between processes on this host"
         ))),

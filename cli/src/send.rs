@@ -157,7 +157,7 @@ fn read_body(args: &MessageArgs) -> Result<BodySource, Failure> {
 /// Connects to `url`, saying what to check when nothing listens there.
 pub(crate) async fn connect(ctx: &Context, url: &str) -> Result<Channel, Failure> {
     let ch = ctx.connect(url).await.map_err(|e| {
-        let shm = matches!(Endpoint::parse(url), Ok(Endpoint::Shm { .. }));
+        let shm = Endpoint::parse(url).is_ok_and(|ep| ep.scheme() == "shm");
         if e.kind() == ErrorKind::ConnectionRefused && !shm {
             Failure::runtime(format!(
                 "cannot connect to {url}: connection refused (is anything listening there?)"

@@ -11,7 +11,7 @@ use crate::Failure;
 
 /// Whether `url` is a `tls://` URL.
 pub(crate) fn is_tls(url: &str) -> bool {
-    matches!(Endpoint::parse(url), Ok(Endpoint::Tls { .. }))
+    Endpoint::parse(url).is_ok_and(|ep| ep.scheme() == "tls")
 }
 
 /// Certificates and trust for `tls://` URLs.

@@ -6,8 +6,8 @@ use std::time::Duration;
 use super::{Channel, Listener};
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::Limits;
+use crate::transport::Endpoint;
 use crate::transport::{Config, IoEngine, Transports};
-use crate::url::Endpoint;
 
 /// The root object: holds the settings, the I/O threads (started on first use of `tcp://`)
 /// and the `inproc://` names. Cheap to clone; clones share everything.

@@ -25,9 +25,9 @@ use super::{Reconnect, SessionConfig, random_u64};
 use crate::channel::Channel;
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::{Flags, Message};
+use crate::transport::Endpoint;
 use crate::transport::pipe::{Pipe, Stager, Unbatcher};
 use crate::transport::{Config, Count, Parts, Transports};
-use crate::url::Endpoint;
 
 /// Messages read from the connection in one poll before the driver lets its runtime run
 /// other tasks.

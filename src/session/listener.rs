@@ -17,8 +17,8 @@ use super::driver;
 use super::proto::{self, Control, Hello};
 use crate::channel::{Channel, Listener};
 use crate::error::{Error, ErrorKind, Result};
+use crate::transport::Endpoint;
 use crate::transport::{AcceptHalf, Config, Parts, Transports};
-use crate::url::Endpoint;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())

@@ -15,7 +15,7 @@ use std::task::{Context, Poll};
 
 use super::names::Names;
 use super::pipe::{Pipe, Stager, Unbatcher};
-use super::{AcceptHalf, Config, Count, Parts, RecvHalf, SPIN, SendHalf, spin_until};
+use super::{AcceptHalf, Config, Count, Open, Parts, RecvHalf, SPIN, SendHalf, spin_until};
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::Message;
 
@@ -32,6 +32,12 @@ impl Registry {
         }
     }
 }
+
+/// `inproc://` in the scheme table.
+pub(crate) static INPROC: Open = Open {
+    connect: |t, a| Box::pin(async move { connect(&t.inproc, a.as_name()?).await }),
+    bind: |t, a| Box::pin(async move { bind(&t.inproc, a.as_name()?) }),
+};
 
 pub(crate) fn bind(reg: &Arc<Registry>, name: &str) -> Result<(Box<dyn AcceptHalf>, String)> {
     reg.names.bind(name)

@@ -3,7 +3,8 @@
 //! A transport produces, per connection, a [`SendHalf`] and a [`RecvHalf`] (and, per bound
 //! address, an [`AcceptHalf`]); the channel layer wraps them into `Sender`, `Receiver`,
 //! `Channel` and `Listener` and knows nothing else about them. Adding a transport means a
-//! module here and one arm in [`Transports::connect`] / [`Transports::bind`].
+//! module here and one line in [`SCHEMES`] (plus a field of [`Transports`] if it keeps state
+//! per context).
 
 use std::any::Any;
 use std::sync::Arc;
@@ -11,11 +12,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
+
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::Limits;
 use crate::message::{BodyMut, Message};
-use crate::url::Endpoint;
+pub use endpoint::{Address, Endpoint};
 
+pub(crate) mod endpoint;
 #[cfg(any(feature = "tcp", feature = "shm", feature = "rdma"))]
 pub(crate) mod heartbeat;
 pub(crate) mod identity;
@@ -387,6 +391,62 @@ impl Parts {
     }
 }
 
+/// One URL scheme: the transport it names, how its addresses are written, and the feature
+/// that compiles it in.
+pub(crate) struct Scheme {
+    pub(crate) name: &'static str,
+    pub(crate) feature: &'static str,
+    /// Checks the address part of a URL (the whole URL for the error message).
+    pub(crate) address: fn(url: &str, rest: &str) -> Result<Address>,
+    /// The transport, where its feature is on.
+    pub(crate) open: Option<&'static Open>,
+}
+
+/// A listener's accept half and its URL.
+pub(crate) type Bound = (Box<dyn AcceptHalf>, String);
+
+/// A transport's entry points, given the context's transports (for its per-context state and
+/// the configuration) and an address in its shape.
+pub(crate) struct Open {
+    pub(crate) connect: for<'a> fn(&'a Transports, &'a Address) -> BoxFuture<'a, Result<Parts>>,
+    pub(crate) bind: for<'a> fn(&'a Transports, &'a Address) -> BoxFuture<'a, Result<Bound>>,
+}
+
+/// An entry of [`SCHEMES`]: `open` exists only where `feature` is on.
+macro_rules! scheme {
+    ($name:literal, $feature:literal, $address:path, $open:path) => {
+        Scheme {
+            name: $name,
+            feature: $feature,
+            address: $address,
+            #[cfg(feature = $feature)]
+            open: Some(&$open),
+            #[cfg(not(feature = $feature))]
+            open: None,
+        }
+    };
+}
+
+/// Every scheme, compiled in or not (a URL of a scheme left out parses, and connecting to it
+/// names the feature to enable). A new transport is its module and one line here.
+pub(crate) static SCHEMES: &[Scheme] = &[
+    scheme!("tcp", "tcp", endpoint::host_port, tcp::TCP),
+    scheme!("tls", "tls", endpoint::host_port, tcp::TLS),
+    scheme!("shm", "shm", endpoint::shm_name, shm::SHM),
+    scheme!("inproc", "inproc", endpoint::name, inproc::INPROC),
+    scheme!("rdma", "rdma", endpoint::host_port, rdma::RDMA),
+    scheme!("rdma+sim", "rdma", endpoint::name, rdma::RDMA_SIM),
+];
+
+/// `tcp://, tls://, …`, for messages.
+pub(crate) fn scheme_list() -> String {
+    SCHEMES
+        .iter()
+        .map(|s| format!("{}://", s.name))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// The transports of one context, with their per-context state.
 pub(crate) struct Transports {
     cfg: Config,
@@ -454,58 +514,24 @@ impl Transports {
     }
 
     pub(crate) async fn connect(&self, ep: &Endpoint) -> Result<Parts> {
-        match ep {
-            #[cfg(feature = "tcp")]
-            Endpoint::Tcp { host, port } => self.tcp.connect(host, *port, None).await,
-            #[cfg(feature = "tls")]
-            Endpoint::Tls { host, port } => {
-                let session = tcp::tls::client(&self.cfg, host)?;
-                self.tcp.connect(host, *port, Some(session)).await
-            }
-            #[cfg(feature = "inproc")]
-            Endpoint::Inproc { name } => inproc::connect(&self.inproc, name).await,
-            #[cfg(feature = "shm")]
-            Endpoint::Shm { name } => shm::connect(name, &self.cfg).await,
-            #[cfg(feature = "rdma")]
-            Endpoint::Rdma { host, port } => rdma::connect(host, *port, &self.cfg).await,
-            #[cfg(feature = "rdma")]
-            Endpoint::RdmaSim { name } => rdma::sim_connect(&self.rdma_sim, name).await,
-            #[allow(unreachable_patterns)]
-            _ => Err(not_compiled(ep)),
-        }
+        (open(ep)?.connect)(self, ep.address()).await
     }
 
-    pub(crate) async fn bind(&self, ep: &Endpoint) -> Result<(Box<dyn AcceptHalf>, String)> {
-        match ep {
-            #[cfg(feature = "tcp")]
-            Endpoint::Tcp { host, port } => self.tcp.bind(host, *port, None).await,
-            #[cfg(feature = "tls")]
-            Endpoint::Tls { host, port } => {
-                let tls = tcp::tls::server(&self.cfg)?;
-                self.tcp.bind(host, *port, Some(tls)).await
-            }
-            #[cfg(feature = "inproc")]
-            Endpoint::Inproc { name } => inproc::bind(&self.inproc, name),
-            #[cfg(feature = "shm")]
-            Endpoint::Shm { name } => shm::bind(name, &self.cfg).await,
-            #[cfg(feature = "rdma")]
-            Endpoint::Rdma { host, port } => rdma::bind(host, *port, &self.cfg).await,
-            #[cfg(feature = "rdma")]
-            Endpoint::RdmaSim { name } => rdma::sim_bind(&self.rdma_sim, name),
-            #[allow(unreachable_patterns)]
-            _ => Err(not_compiled(ep)),
-        }
+    pub(crate) async fn bind(&self, ep: &Endpoint) -> Result<Bound> {
+        (open(ep)?.bind)(self, ep.address()).await
     }
 }
 
-#[allow(dead_code)]
-fn not_compiled(ep: &Endpoint) -> Error {
-    Error::new(
-        ErrorKind::UnsupportedScheme,
-        format!(
-            "{ep}: the {}:// transport is not compiled in (enable the `{}` feature)",
-            ep.scheme(),
-            ep.feature()
-        ),
-    )
+/// The transport of `ep`'s scheme, or why this build has none.
+fn open(ep: &Endpoint) -> Result<&'static Open> {
+    let scheme = SCHEMES.iter().find(|s| s.name == ep.scheme());
+    scheme.and_then(|s| s.open).ok_or_else(|| {
+        let (name, feature) = scheme.map_or((ep.scheme(), "?"), |s| (s.name, s.feature));
+        Error::new(
+            ErrorKind::UnsupportedScheme,
+            format!(
+                "{ep}: the {name}:// transport is not compiled in (enable the `{feature}` feature)"
+            ),
+        )
+    })
 }

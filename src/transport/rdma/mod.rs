@@ -42,7 +42,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use super::names::Names;
-use super::{AcceptHalf, Config, Parts};
+use super::{AcceptHalf, Config, Open, Parts};
 use crate::channel::Channel;
 use crate::error::{Error, ErrorKind, Result};
 use driver::Driver;
@@ -310,6 +310,28 @@ pub fn devices() -> Result<Vec<String>> {
         Backend::AsyncRdma => async_rdma::devices(),
     }
 }
+
+/// `rdma://` in the scheme table.
+pub(crate) static RDMA: Open = Open {
+    connect: |t, a| {
+        Box::pin(async move {
+            let (host, port) = a.as_host_port()?;
+            connect(host, port, t.config()).await
+        })
+    },
+    bind: |t, a| {
+        Box::pin(async move {
+            let (host, port) = a.as_host_port()?;
+            bind(host, port, t.config()).await
+        })
+    },
+};
+
+/// `rdma+sim://` in the scheme table.
+pub(crate) static RDMA_SIM: Open = Open {
+    connect: |t, a| Box::pin(async move { sim_connect(&t.rdma_sim, a.as_name()?).await }),
+    bind: |t, a| Box::pin(async move { sim_bind(&t.rdma_sim, a.as_name()?) }),
+};
 
 pub(crate) async fn connect(host: &str, port: u16, cfg: &Config) -> Result<Parts> {
     match backend()? {

@@ -45,7 +45,7 @@ use std::task::{Context, Poll};
 
 use tokio::sync::{Semaphore, mpsc};
 
-use super::{AcceptHalf, Config, Parts};
+use super::{AcceptHalf, Config, Open, Parts};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::heartbeat::Liveness;
 use conn::{Setup, Shared, ShmReceiver, ShmSender};
@@ -151,6 +151,12 @@ fn parts(
 fn zero_copy(cfg: &Config) -> bool {
     cfg.shm.zero_copy.unwrap_or(!cfg.shm.any_uid)
 }
+
+/// `shm://` in the scheme table.
+pub(crate) static SHM: Open = Open {
+    connect: |t, a| Box::pin(async move { connect(a.as_name()?, t.config()).await }),
+    bind: |t, a| Box::pin(async move { bind(a.as_name()?, t.config()).await }),
+};
 
 pub(crate) async fn connect(name: &str, cfg: &Config) -> Result<Parts> {
     runtime()?;

@@ -18,8 +18,8 @@ use super::sys::EpollStream;
 use super::tls::TlsIo;
 use super::tls::{Session, TlsConfig};
 use crate::error::{Error, ErrorKind, Result};
+use crate::transport::Endpoint;
 use crate::transport::{AcceptHalf, Config, Parts};
-use crate::url::Endpoint;
 
 fn runtime() -> Result<Handle> {
     Handle::try_current().map_err(|_| {

@@ -38,7 +38,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::error::Result;
-use crate::transport::{AcceptHalf, Config, IoEngine, Parts};
+use crate::transport::{AcceptHalf, Config, IoEngine, Open, Parts};
 
 use io_thread::IoThreads;
 
@@ -121,3 +121,38 @@ impl Tcp {
         threads.bind(host, port, tls).await
     }
 }
+
+/// `tcp://` in the scheme table.
+pub(crate) static TCP: Open = Open {
+    connect: |t, a| {
+        Box::pin(async move {
+            let (host, port) = a.as_host_port()?;
+            t.tcp.connect(host, port, None).await
+        })
+    },
+    bind: |t, a| {
+        Box::pin(async move {
+            let (host, port) = a.as_host_port()?;
+            t.tcp.bind(host, port, None).await
+        })
+    },
+};
+
+/// `tls://` in the scheme table.
+#[cfg(feature = "tls")]
+pub(crate) static TLS: Open = Open {
+    connect: |t, a| {
+        Box::pin(async move {
+            let (host, port) = a.as_host_port()?;
+            let session = tls::client(t.config(), host)?;
+            t.tcp.connect(host, port, Some(session)).await
+        })
+    },
+    bind: |t, a| {
+        Box::pin(async move {
+            let (host, port) = a.as_host_port()?;
+            let tls = tls::server(t.config())?;
+            t.tcp.bind(host, port, Some(tls)).await
+        })
+    },
+};

@@ -17,16 +17,13 @@ use super::conn::{self, Conn, TcpReceiver, TcpSender};
 use super::sys::{self, Io};
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::Limits;
+use crate::transport::Endpoint;
 use crate::transport::heartbeat::Liveness;
 use crate::transport::{AcceptHalf, Config, Parts};
-use crate::url::Endpoint;
 use crate::wire::{Batch, Control};
 
 pub(super) async fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>> {
-    let ep = Endpoint::Tcp {
-        host: host.to_owned(),
-        port,
-    };
+    let ep = Endpoint::tcp(host, port);
     if let Some(addr) = ep.socket_addr() {
         return Ok(vec![addr]);
     }

@@ -36,9 +36,9 @@ use rustls::{ClientConfig, RootCertStore, ServerConfig};
 
 use super::sys::Io;
 use crate::error::{Error, ErrorKind, Result};
+use crate::transport::Endpoint;
 use crate::transport::identity::{self, PeerIdentity};
 use crate::transport::{Config, Parts};
-use crate::url::Endpoint;
 
 /// Plaintext encrypted per write: large enough to amortise the system call, small enough to
 /// bound the ciphertext held at once.
@@ -748,9 +748,7 @@ pub(crate) fn label(parts: &mut Parts, session: &Session, local: SocketAddr, pee
 
 /// `tls://addr`.
 pub(crate) fn url(addr: SocketAddr) -> String {
-    Endpoint::Tls {
-        host: addr.ip().to_string(),
-        port: addr.port(),
-    }
-    .to_string()
+    Endpoint::from_socket_addr(addr)
+        .with_scheme("tls")
+        .to_string()
 }
