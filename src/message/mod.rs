@@ -160,15 +160,20 @@ impl Message {
         }
     }
 
-    /// Adds (or replaces) a metadata entry. The value is text (`&str`, `String`) or an
-    /// integer, written in decimal (see [`MetaValue`]). Adding entries one after another
-    /// appends to the map's encoding in place: N entries cost O(N).
+    /// Adds (or replaces) a metadata entry. The key is any string (`&str`, `String`, …); the
+    /// value is text (`&str`, `String`) or an integer, written in decimal (see
+    /// [`MetaValue`]). Adding entries one after another appends to the map's encoding in
+    /// place: N entries cost O(N).
     ///
     /// Fails with [`InvalidMeta`] when the key or value is malformed (`?` turns it into an
     /// [`Error`](crate::Error) of kind [`InvalidMeta`](crate::ErrorKind::InvalidMeta)). The
     /// per-channel limits on entries and bytes are checked at send.
-    pub fn with_meta(mut self, key: &str, value: impl MetaValue) -> Result<Message, InvalidMeta> {
-        value.with_text(|value| self.meta.insert(key, value))?;
+    pub fn with_meta(
+        mut self,
+        key: impl AsRef<str>,
+        value: impl MetaValue,
+    ) -> Result<Message, InvalidMeta> {
+        value.with_text(|value| self.meta.insert(key.as_ref(), value))?;
         Ok(self)
     }
 

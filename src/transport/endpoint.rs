@@ -320,7 +320,10 @@ mod tests {
             };
             let ep = Endpoint::parse(&url).unwrap();
             assert_eq!((ep.scheme(), ep.to_string()), (s.name, url.clone()));
-            assert!(ep.host().is_some() != ep.name().is_some(), "{url}: one shape");
+            assert!(
+                ep.host().is_some() != ep.name().is_some(),
+                "{url}: one shape"
+            );
         }
         names.sort_unstable();
         names.dedup();
