@@ -66,6 +66,28 @@ pub(crate) mod sync {
     atomic!(AtomicU32, u32);
     atomic!(AtomicU64, u64);
 
+    /// std's `UnsafeCell` with loom's interface (`with`, `with_mut`: the pointer is only
+    /// handed to a closure, so that loom can track each access), through the seam.
+    #[repr(transparent)]
+    #[derive(Debug, Default)]
+    pub(crate) struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+    impl<T> UnsafeCell<T> {
+        pub(crate) const fn new(v: T) -> UnsafeCell<T> {
+            UnsafeCell(std::cell::UnsafeCell::new(v))
+        }
+
+        #[inline(always)]
+        pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
+            f(self.0.get())
+        }
+
+        #[inline(always)]
+        pub(crate) fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+            f(self.0.get())
+        }
+    }
+
     /// std's `fence`, through the seam.
     #[inline(always)]
     pub(crate) fn fence(order: Ordering) {
