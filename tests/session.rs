@@ -333,7 +333,7 @@ async fn reserved_names_are_refused_and_limits_leave_room_for_the_number() {
     // A message at the session's limits still fits the peer's once numbered.
     let mut full = Message::new("x").unwrap();
     for k in 0..limits.max_meta_entries {
-        full = full.with_meta(&format!("k{k}"), "v").unwrap();
+        full = full.with_meta(format!("k{k}"), "v").unwrap();
     }
     ch.send(full).await.unwrap();
     ch.flush().await.unwrap();
