@@ -67,7 +67,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -115,71 +115,95 @@ impl Hasher for IdHasher {
 
 struct Inner {
     peer: String,
-    state: Mutex<State>,
-    /// The channel's receiving half, read by the response futures themselves (there is no
-    /// reader task): whichever polls takes what has arrived and hands each reply to its
-    /// request. `None` once it ended. Lock order: `rx`, then `state`.
-    rx: Mutex<Option<Receiver>>,
+    /// The requests in flight and the channel's receiving half, under one lock: a response
+    /// future being polled takes it, finds its reply or reads the channel (handing the
+    /// replies of others to them on the way), and lets go. Every critical section is a few
+    /// map operations and at most [`READS_PER_POLL`] non-blocking receives.
+    shared: Mutex<Shared>,
     /// Slots taken: reserved by `poll_ready` or held by a response future.
     in_flight: AtomicUsize,
     /// The client's `poll_ready` waiting for a slot (only the client polls: it is not Clone).
     slot_waker: AtomicWaker,
+    /// Set by `poll_ready` before it registers in `slot_waker`: a freed slot wakes it only
+    /// then (a wake is two atomic operations, which every request would pay otherwise).
+    slot_wanted: AtomicBool,
     failed: AtomicBool,
     discarded: AtomicU64,
     unsolicited: AtomicU64,
     log: LogLimit,
 }
 
-/// A request in flight: its reply once it came, and the waker of its response future.
+/// A bound on the messages one poll takes from the channel, so a flood of other replies
+/// cannot hold a task; past it, the poll yields and comes back.
+const READS_PER_POLL: usize = 64;
+
+/// A request in flight: whether its reply came (it waits in [`Shared::answered`]), and the
+/// waker of its response future. Small, so the map moves a few words per request, not a
+/// message.
 struct Entry {
-    reply: Option<Result<Message>>,
+    answered: bool,
     waker: Option<Waker>,
 }
 
-struct State {
+struct Shared {
+    /// The channel's receiving half, read by the response futures themselves (there is no
+    /// reader task). `None` once it ended.
+    rx: Option<Receiver>,
     pending: HashMap<u64, Entry, BuildHasherDefault<IdHasher>>,
+    /// Replies (or failures) handed to requests in flight by another request's read, until
+    /// they take them: at most one per entry in `pending`, and usually empty (a request that
+    /// reads its own reply returns it at once).
+    answered: Vec<(u64, Result<Message>)>,
     failure: Option<Error>,
     /// The request whose waker the receiver holds (it polled last and got `Pending`): when it
     /// leaves, another request must take over reading, or the others would wait forever.
     reader: Option<u64>,
+    /// The waker of the last request that left, for the next one from the same task to take
+    /// instead of a clone (a task making one request after another wakes the same way).
+    spare: Option<Waker>,
 }
 
 impl Inner {
-    fn state(&self) -> MutexGuard<'_, State> {
-        // Every critical section is a few map operations: the state stays consistent even
-        // if a holder panicked.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn shared(&self) -> MutexGuard<'_, Shared> {
+        // Every critical section leaves the state consistent at each step: it stays usable
+        // even if a holder panicked.
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn failure(&self) -> Option<Error> {
         if !self.failed.load(Ordering::Acquire) {
             return None;
         }
-        self.state().failure.as_ref().map(Error::duplicate)
+        self.shared().failure.as_ref().map(Error::duplicate)
     }
 
     fn try_take_slot(&self, max: usize) -> bool {
         self.in_flight
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
                 (n < max).then_some(n + 1)
             })
             .is_ok()
     }
 
     fn release_slot(&self) {
-        self.in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.slot_waker.wake();
+        // SeqCst, paired with `poll_ready`'s store of `slot_wanted` then retry: either this
+        // load sees its store, or its retry sees this decrement.
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        if self.slot_wanted.load(Ordering::SeqCst) && self.slot_wanted.swap(false, Ordering::SeqCst)
+        {
+            self.slot_waker.wake();
+        }
     }
 
     /// What a received message means: `Some((id, result))` for a reply, `None` (counted and
-    /// logged) for a message that is not one.
-    fn classify(&self, msg: Message) -> Option<(u64, Result<Message>)> {
+    /// logged, or a session reset applied to `sh`) for a message that is not one.
+    fn classify(&self, sh: &mut Shared, msg: Message) -> Option<(u64, Result<Message>)> {
         let header = msg.header();
-        if msg.kind() == crate::session::RESET_TYPE && header.flags == Flags::NONE {
-            self.on_reset(&msg);
-            return None;
-        }
         if !header.flags.contains(Flags::RESPONSE) {
+            if msg.kind() == crate::session::RESET_TYPE && header.flags == Flags::NONE {
+                self.on_reset(sh, &msg);
+                return None;
+            }
             let n = self.unsolicited.fetch_add(1, Ordering::Relaxed) + 1;
             crate::metrics::count!("hyperframes_client_unsolicited_total", 1);
             if self.log.allow().is_some() {
@@ -191,59 +215,64 @@ impl Inner {
             }
             return None;
         }
-        let result = if msg.kind() == ERROR_TYPE {
+        Some((header.correlation, self.reply_result(msg)))
+    }
+
+    /// A reply as its request's result: an error reply from `serve` fails it.
+    #[inline]
+    fn reply_result(&self, msg: Message) -> Result<Message> {
+        if msg.kind() == ERROR_TYPE {
             Err(remote_error(&self.peer, &msg))
         } else {
             Ok(msg)
-        };
-        Some((header.correlation, result))
+        }
     }
 
     /// The server lost the session (it restarted): the requests it is not being sent again
     /// may or may not have been handled, and their replies will never come. Fail them.
-    fn on_reset(&self, msg: &Message) {
+    #[cold]
+    fn on_reset(&self, sh: &mut Shared, msg: &Message) {
         let resent: std::collections::HashSet<u64> = crate::session::reset_ids(msg).collect();
-        let wakers: Vec<Waker> = {
-            let mut st = self.state();
-            st.pending
-                .iter_mut()
-                .filter(|(id, e)| e.reply.is_none() && !resent.contains(id))
-                .filter_map(|(id, e)| {
-                    e.reply = Some(Err(Error::new(
-                        ErrorKind::ConnectionLost,
-                        format!(
-                            "{} lost the session after it received request {id} (it restarted?): the request may or may not have been handled",
-                            self.peer
-                        ),
-                    )));
-                    e.waker.take()
-                })
-                .collect()
-        };
+        let mut failed = 0;
+        for (id, e) in sh.pending.iter_mut() {
+            if e.answered || resent.contains(id) {
+                continue;
+            }
+            e.answered = true;
+            sh.answered.push((
+                *id,
+                Err(Error::new(
+                    ErrorKind::ConnectionLost,
+                    format!(
+                        "{} lost the session after it received request {id} (it restarted?): the request may or may not have been handled",
+                        self.peer
+                    ),
+                )),
+            ));
+            failed += 1;
+            // Waking under the lock: a wake only schedules the task (it polls later).
+            if let Some(w) = e.waker.take() {
+                w.wake();
+            }
+        }
         tracing::warn!(
-            "client of {}: the server lost the session; {} requests failed, {} sent again",
+            "client of {}: the server lost the session; {failed} requests failed, {} sent again",
             self.peer,
-            wakers.len(),
             resent.len()
         );
-        for w in wakers {
-            w.wake();
-        }
     }
 
     /// Hands the reply `id` to its request and wakes it; counts it when the request is gone.
-    fn deliver(&self, id: u64, result: Result<Message>) {
-        let mut st = self.state();
-        match st.pending.get_mut(&id) {
-            Some(entry) if entry.reply.is_none() => {
-                entry.reply = Some(result);
+    fn deliver(&self, sh: &mut Shared, id: u64, result: Result<Message>) {
+        match sh.pending.get_mut(&id) {
+            Some(entry) if !entry.answered => {
+                entry.answered = true;
+                sh.answered.push((id, result));
                 if let Some(w) = entry.waker.take() {
-                    drop(st);
                     w.wake();
                 }
             }
             _ => {
-                drop(st);
                 self.discarded.fetch_add(1, Ordering::Relaxed);
                 crate::metrics::count!("hyperframes_client_discarded_replies_total", 1);
                 tracing::debug!(
@@ -255,30 +284,26 @@ impl Inner {
     }
 
     /// Fails every request in flight, and every later one, with `err`.
-    fn fail(&self, err: Error) {
-        let wakers: Vec<Waker> = {
-            let mut st = self.state();
-            st.failure = Some(err.duplicate());
-            st.reader = None;
-            let n = st.pending.len();
-            if n > 0 {
-                tracing::debug!(
-                    "client of {}: failing {n} requests in flight: {err:#}",
-                    self.peer
-                );
-            }
-            st.pending
-                .values_mut()
-                .filter_map(|e| {
-                    e.reply.get_or_insert_with(|| Err(err.duplicate()));
-                    e.waker.take()
-                })
-                .collect()
-        };
-        self.failed.store(true, Ordering::Release);
-        for w in wakers {
-            w.wake();
+    fn fail(&self, sh: &mut Shared, err: Error) {
+        sh.failure = Some(err.duplicate());
+        sh.reader = None;
+        let n = sh.pending.len();
+        if n > 0 {
+            tracing::debug!(
+                "client of {}: failing {n} requests in flight: {err:#}",
+                self.peer
+            );
         }
+        for (id, e) in sh.pending.iter_mut() {
+            if !e.answered {
+                e.answered = true;
+                sh.answered.push((*id, Err(err.duplicate())));
+            }
+            if let Some(w) = e.waker.take() {
+                w.wake();
+            }
+        }
+        self.failed.store(true, Ordering::Release);
         self.slot_waker.wake();
     }
 
@@ -286,64 +311,66 @@ impl Inner {
     /// its waker (it is the reader), or no request is known to be reading (it may have taken
     /// its own reply from the channel last), wake another request to read in its place. A
     /// wake too many costs a poll; one too few would leave the others waiting forever.
-    fn leave(&self, id: u64) {
-        let mut st = self.state();
-        st.pending.remove(&id);
-        if st.reader.is_none_or(|r| r == id) && !st.pending.is_empty() {
-            st.reader = None;
-            let next = st
+    fn leave(&self, sh: &mut Shared, id: u64) {
+        match sh.pending.remove(&id) {
+            Some(Entry { answered, waker }) => {
+                if answered {
+                    // Cancelled after another request delivered its reply: drop the reply.
+                    drop(take_answer(&mut sh.answered, id));
+                }
+                if let Some(w) = waker {
+                    sh.spare = Some(w);
+                }
+            }
+            None => return,
+        }
+        if sh.reader.is_none_or(|r| r == id) && !sh.pending.is_empty() {
+            sh.reader = None;
+            if let Some(w) = sh
                 .pending
                 .values_mut()
-                .find(|e| e.reply.is_none() && e.waker.is_some())
-                .and_then(|e| e.waker.take());
-            drop(st);
-            if let Some(w) = next {
+                .find(|e| !e.answered && e.waker.is_some())
+                .and_then(|e| e.waker.take())
+            {
                 w.wake();
             }
         }
     }
 
     /// The reply to request `id`: taken from its entry if another request delivered it, else
-    /// read from the channel (handing the replies of others to them on the way).
+    /// read from the channel (handing the replies of others to them on the way). A request
+    /// that gets its reply leaves here, under the same lock.
     fn poll_reply(&self, id: u64, cx: &mut Context<'_>) -> Poll<Result<Message>> {
-        {
-            let mut st = self.state();
-            let Some(entry) = st.pending.get_mut(&id) else {
-                return Poll::Ready(Err(Error::new(
-                    ErrorKind::Closed,
-                    "the request is no longer in flight",
-                )));
-            };
-            if let Some(reply) = entry.reply.take() {
-                return Poll::Ready(reply);
-            }
-            // Before reading: whoever reads now (maybe on another thread) wakes us with the
-            // reply, or hands the reading over to us when it leaves.
-            match &entry.waker {
-                Some(w) if w.will_wake(cx.waker()) => {}
-                _ => entry.waker = Some(cx.waker().clone()),
-            }
-        }
-        let mut rx = match self.rx.try_lock() {
-            Ok(rx) => rx,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            // Another request is reading right now: it delivers our reply or wakes us.
-            Err(TryLockError::WouldBlock) => return Poll::Pending,
+        let mut guard = self.shared();
+        let sh = &mut *guard;
+        let Some(entry) = sh.pending.get_mut(&id) else {
+            return Poll::Ready(Err(Error::new(
+                ErrorKind::Closed,
+                "the request is no longer in flight",
+            )));
         };
-        // A bound on the messages taken in one poll, so a flood of other replies cannot hold
-        // this task; past it, yield and come back.
-        for _ in 0..64 {
-            let Some(receiver) = rx.as_mut() else {
+        if entry.answered {
+            return self.take_answered(sh, id);
+        }
+        for _ in 0..READS_PER_POLL {
+            let Some(receiver) = sh.rx.as_mut() else {
                 // Ended: `fail` has answered every entry, ours too.
-                drop(rx);
-                return self.take_answered(id);
+                return self.take_answered(sh, id);
             };
             match receiver.poll_next_unpin(cx) {
-                Poll::Ready(Some(Ok(msg))) => match self.classify(msg) {
-                    Some((got, result)) if got == id => return Poll::Ready(result),
-                    Some((got, result)) => self.deliver(got, result),
-                    None => {}
-                },
+                // Our own reply, the common case: returned without a detour.
+                Poll::Ready(Some(Ok(msg)))
+                    if msg.header().correlation == id
+                        && msg.header().flags.contains(Flags::RESPONSE) =>
+                {
+                    self.leave(sh, id);
+                    return Poll::Ready(self.reply_result(msg));
+                }
+                Poll::Ready(Some(Ok(msg))) => {
+                    if let Some((got, result)) = self.classify(sh, msg) {
+                        self.deliver(sh, got, result);
+                    }
+                }
                 Poll::Ready(end) => {
                     let err = match end {
                         Some(Err(e)) => e,
@@ -355,13 +382,25 @@ impl Inner {
                             ),
                         ),
                     };
-                    *rx = None;
-                    drop(rx);
-                    self.fail(err);
-                    return self.take_answered(id);
+                    sh.rx = None;
+                    self.fail(sh, err);
+                    return self.take_answered(sh, id);
                 }
                 Poll::Pending => {
-                    self.state().reader = Some(id);
+                    // The receiver holds our waker now; the entry holds it too, for whoever
+                    // reads next (another request re-registers the receiver with its own)
+                    // to deliver our reply, or to hand the reading back to us when it leaves.
+                    let entry = sh.pending.get_mut(&id).expect("our entry, under the lock");
+                    match &entry.waker {
+                        Some(w) if w.will_wake(cx.waker()) => {}
+                        _ => {
+                            entry.waker = match sh.spare.take() {
+                                Some(w) if w.will_wake(cx.waker()) => Some(w),
+                                _ => Some(cx.waker().clone()),
+                            }
+                        }
+                    }
+                    sh.reader = Some(id);
                     return Poll::Pending;
                 }
             }
@@ -370,13 +409,13 @@ impl Inner {
         Poll::Pending
     }
 
-    fn take_answered(&self, id: u64) -> Poll<Result<Message>> {
-        match self
-            .state()
-            .pending
-            .get_mut(&id)
-            .and_then(|e| e.reply.take())
-        {
+    fn take_answered(&self, sh: &mut Shared, id: u64) -> Poll<Result<Message>> {
+        let reply = take_answer(&mut sh.answered, id);
+        if let Some(e) = sh.pending.get_mut(&id) {
+            e.answered = false; // taken: `leave` has nothing to drop
+        }
+        self.leave(sh, id);
+        match reply {
             Some(reply) => Poll::Ready(reply),
             None => Poll::Ready(Err(Error::new(
                 ErrorKind::Closed,
@@ -386,6 +425,13 @@ impl Inner {
     }
 }
 
+/// The reply handed to request `id`, taken out of `answered`.
+fn take_answer(answered: &mut Vec<(u64, Result<Message>)>, id: u64) -> Option<Result<Message>> {
+    let at = answered.iter().position(|(got, _)| *got == id)?;
+    Some(answered.swap_remove(at).1)
+}
+
+#[cold]
 fn remote_error(peer: &str, msg: &Message) -> Error {
     let text = msg
         .body()
@@ -406,23 +452,31 @@ fn remote_error(peer: &str, msg: &Message) -> Error {
     .with_remote_kind(remote_kind)
 }
 
-/// A taken slot, with the request's entry in the pending map once it has one; freed on drop.
+/// A taken slot, with the request's entry in the pending map while it has one; freed on
+/// drop.
 struct Slot {
     inner: Arc<Inner>,
+    /// The request's id while its entry is in the pending map (`None` once it left).
     id: Option<u64>,
 }
 
 impl Slot {
-    fn poll_reply(&self, cx: &mut Context<'_>) -> Poll<Result<Message>> {
+    fn poll_reply(&mut self, cx: &mut Context<'_>) -> Poll<Result<Message>> {
         let id = self.id.expect("a waiting slot has an id");
-        self.inner.poll_reply(id, cx)
+        let out = self.inner.poll_reply(id, cx);
+        if out.is_ready() {
+            // `poll_reply` took the entry out with its reply.
+            self.id = None;
+        }
+        out
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         if let Some(id) = self.id {
-            self.inner.leave(id);
+            // Cancelled while waiting.
+            self.inner.leave(&mut self.inner.shared(), id);
         }
         self.inner.release_slot();
     }
@@ -436,14 +490,17 @@ impl Client {
         let (tx, rx) = channel.split();
         let inner = Arc::new(Inner {
             peer,
-            state: Mutex::new(State {
+            shared: Mutex::new(Shared {
+                rx: Some(rx),
                 pending: HashMap::default(),
+                answered: Vec::new(),
                 failure: None,
                 reader: None,
+                spare: None,
             }),
-            rx: Mutex::new(Some(rx)),
             in_flight: AtomicUsize::new(0),
             slot_waker: AtomicWaker::new(),
+            slot_wanted: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             discarded: AtomicU64::new(0),
             unsolicited: AtomicU64::new(0),
@@ -510,6 +567,7 @@ impl Service<Message> for Client {
         }
         if !self.reserved {
             if !self.inner.try_take_slot(self.max_in_flight) {
+                self.inner.slot_wanted.store(true, Ordering::SeqCst);
                 self.inner.slot_waker.register(cx.waker());
                 if !self.inner.try_take_slot(self.max_in_flight) {
                     return match self.inner.failure() {
@@ -546,14 +604,14 @@ impl Service<Message> for Client {
             correlation: id,
         };
         {
-            let mut st = self.inner.state();
-            if let Some(e) = &st.failure {
+            let mut sh = self.inner.shared();
+            if let Some(e) = &sh.failure {
                 return ResponseFuture::failed(e.duplicate().with_message(msg));
             }
-            st.pending.insert(
+            sh.pending.insert(
                 id,
                 Entry {
-                    reply: None,
+                    answered: false,
                     waker: None,
                 },
             );
