@@ -123,7 +123,7 @@ pub(super) async fn drive<S>(
     channel: Channel,
     svc: S,
     max_in_flight: usize,
-    shutdown: watch::Receiver<bool>,
+    shutdown: Option<watch::Receiver<bool>>,
     stats: Arc<Counters>,
 ) -> Result<()>
 where
@@ -140,7 +140,7 @@ async fn drive_in_span<S>(
     channel: Channel,
     mut svc: S,
     max_in_flight: usize,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: Option<watch::Receiver<bool>>,
     stats: Arc<Counters>,
 ) -> Result<()>
 where
@@ -153,19 +153,31 @@ where
     let mut in_flight: FuturesUnordered<Call<S::Future>> = FuturesUnordered::new();
     let mut waiting: Option<Message> = None;
     let mut reading = true;
-    let mut draining = *shutdown.borrow_and_update();
-    let mut shutdown_seen = shutdown.clone();
+    // Without a shutdown signal (`serve_channel`), nothing is polled for one.
+    let (mut shutdown_seen, mut stop_signal) = match shutdown {
+        Some(s) => (Some(s.clone()), Some(s)),
+        None => (None, None),
+    };
+    let mut draining = shutdown_seen
+        .as_mut()
+        .is_some_and(|s| *s.borrow_and_update());
+    let listening = stop_signal.is_some();
     let mut stop = pin!(async move {
-        // An error means the server is gone: shut down as well.
-        let _ = shutdown.wait_for(|stop| *stop).await;
+        if let Some(signal) = stop_signal.as_mut() {
+            // An error means the server is gone: shut down as well.
+            let _ = signal.wait_for(|stop| *stop).await;
+        }
     });
     let mut outcome = Ok(());
 
     loop {
         // The flag, checked at every turn (an atomic load): the `stop` branch comes last, so
         // under load it may not be polled, and it is there to wake an idle loop.
-        if !draining && shutdown_seen.has_changed().unwrap_or(true) {
-            draining = shutdown_seen.has_changed().is_err() || *shutdown_seen.borrow_and_update();
+        if !draining
+            && let Some(seen) = shutdown_seen.as_mut()
+            && seen.has_changed().unwrap_or(true)
+        {
+            draining = seen.has_changed().is_err() || *seen.borrow_and_update();
         }
         // The common case without a turn of the select below: a received message whose
         // handler is ready is called at once, and a call that finishes at its first poll
@@ -180,7 +192,12 @@ where
                         poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await
                     {
                         first.set(None);
-                        if let Err(e) = respond(&mut tx, &peer, &stats, req, result).await {
+                        if let Some(reply) = reply_to(&peer, &stats, &req, result)
+                            && let Err(e) = match try_reply(&mut tx, &stats, reply) {
+                                Ok(()) => Ok(()),
+                                Err(e) => reply_slowly(&mut tx, &peer, &stats, &req, e).await,
+                            }
+                        {
                             outcome = Err(e);
                             break;
                         }
@@ -235,14 +252,18 @@ where
                 }
                 None
             }
-            () = &mut stop, if !draining => {
+            () = &mut stop, if listening && !draining => {
                 draining = true;
                 None
             }
             else => break,
         };
         if let Some((req, result)) = done
-            && let Err(e) = respond(&mut tx, &peer, &stats, req, result).await
+            && let Some(reply) = reply_to(&peer, &stats, &req, result)
+            && let Err(e) = match try_reply(&mut tx, &stats, reply) {
+                Ok(()) => Ok(()),
+                Err(e) => reply_slowly(&mut tx, &peer, &stats, &req, e).await,
+            }
         {
             outcome = Err(e);
             break;
@@ -304,63 +325,102 @@ fn not_ready(peer: &str, e: impl Into<BoxError>) -> Error {
     .with_source(e.into())
 }
 
-/// Sends what a finished call answers, if anything: its response, marked as one and
-/// correlated, or an error reply to a request whose handler failed. `Err` only when the
-/// channel can carry nothing more.
-async fn respond<E: Into<BoxError>>(
-    tx: &mut Sender,
+/// What a finished call sends back, if anything: its response, marked as one and
+/// correlated, or an error reply to a request whose handler failed or gave none (counted,
+/// and a failure logged at a bounded rate).
+fn reply_to<E: Into<BoxError>>(
     peer: &str,
     stats: &Counters,
-    req: Request,
+    req: &Request,
     result: std::result::Result<Option<Message>, E>,
-) -> Result<()> {
-    let reply = match result {
+) -> Option<Message> {
+    match result {
         Ok(Some(mut resp)) => {
             let h = resp.header_mut();
             h.flags = h.flags.union(Flags::RESPONSE);
             if h.correlation == 0 {
                 h.correlation = req.header.correlation;
             }
-            resp
+            Some(resp)
         }
-        Ok(None) if !req.header.flags.contains(Flags::REQUEST) => return Ok(()),
-        Ok(None) => {
-            // A request whose client waits: tell it there will be no reply.
-            stats.unanswered.one();
-            req.span.in_scope(|| {
-                tracing::debug!(
-                    "the handler gave no reply to a request of type `{}` from {peer}; answering with an error",
-                    req.kind
-                )
-            });
-            let why: BoxError =
-                "the handler gave no reply to this request (a filter may have dropped it)".into();
-            error_reply(&req.kind, req.header.correlation, &why)
-        }
-        Err(e) => {
-            let e: BoxError = e.into();
-            stats.errors.one();
-            if let Some(held) = stats.log.allow() {
-                req.span.in_scope(|| {
-                    tracing::warn!(
-                        held_back = held,
-                        "handler failed on a message of type `{}` from {peer}: {e:#}{}",
-                        req.kind,
-                        if held > 0 {
-                            format!(" ({held} more failures since the last warning)")
-                        } else {
-                            String::new()
-                        },
-                    )
-                });
-            }
-            if !req.header.flags.contains(Flags::REQUEST) {
-                return Ok(());
-            }
-            error_reply(&req.kind, req.header.correlation, &e)
-        }
+        Ok(None) if !req.header.flags.contains(Flags::REQUEST) => None,
+        Ok(None) => Some(unanswered(peer, stats, req)),
+        Err(e) => failed(peer, stats, req, e.into()),
+    }
+}
+
+/// The error reply to a request its handler gave no reply to: the client waits for one.
+#[cold]
+fn unanswered(peer: &str, stats: &Counters, req: &Request) -> Message {
+    stats.unanswered.one();
+    req.span.in_scope(|| {
+        tracing::debug!(
+            "the handler gave no reply to a request of type `{}` from {peer}; answering with an error",
+            req.kind
+        )
+    });
+    let why: BoxError =
+        "the handler gave no reply to this request (a filter may have dropped it)".into();
+    error_reply(&req.kind, req.header.correlation, &why)
+}
+
+/// A failed call: counted, logged at a bounded rate, and answered with an error reply when
+/// it was a request.
+#[cold]
+fn failed(peer: &str, stats: &Counters, req: &Request, e: BoxError) -> Option<Message> {
+    stats.errors.one();
+    if let Some(held) = stats.log.allow() {
+        req.span.in_scope(|| {
+            tracing::warn!(
+                held_back = held,
+                "handler failed on a message of type `{}` from {peer}: {e:#}{}",
+                req.kind,
+                if held > 0 {
+                    format!(" ({held} more failures since the last warning)")
+                } else {
+                    String::new()
+                },
+            )
+        });
+    }
+    if !req.header.flags.contains(Flags::REQUEST) {
+        return None;
+    }
+    Some(error_reply(&req.kind, req.header.correlation, &e))
+}
+
+/// Hands `reply` to the channel if it has room now: the path of nearly every reply, with no
+/// future to build. A body in device memory is not tried here (the channel sends it in
+/// pieces, which only [`Sender::send`] sees through). `Err` carries the reply back for
+/// [`reply_slowly`].
+#[inline]
+fn try_reply(tx: &mut Sender, stats: &Counters, reply: Message) -> Result<()> {
+    if reply.body().as_bytes().is_none() {
+        return Err(Error::new(ErrorKind::Full, "a body in device memory").with_message(reply));
+    }
+    tx.try_send(reply)?;
+    stats.responses.one();
+    Ok(())
+}
+
+/// The reply [`try_reply`] could not hand over at once: waits for room, or, when it is too
+/// large for the peer, answers a request with an error reply instead. `Err` only when the
+/// channel can carry nothing more.
+async fn reply_slowly(
+    tx: &mut Sender,
+    peer: &str,
+    stats: &Counters,
+    req: &Request,
+    mut e: Error,
+) -> Result<()> {
+    let sent = match e.kind() {
+        ErrorKind::Full => match e.take_message() {
+            Some(reply) => tx.send(reply).await,
+            None => return Err(e),
+        },
+        _ => Err(e),
     };
-    match tx.send(reply).await {
+    match sent {
         Ok(()) => {
             stats.responses.one();
             Ok(())

@@ -486,7 +486,7 @@ async fn serve_one<F, S, E>(
             }
         };
         let active = Active::new(counters.clone());
-        let result = conn::drive(channel, svc, max_in_flight, stop, counters.clone()).await;
+        let result = conn::drive(channel, svc, max_in_flight, Some(stop), counters.clone()).await;
         drop(active);
         match result {
             Ok(()) => tracing::debug!("channel with {peer} done"),
@@ -535,6 +535,5 @@ where
     S: Service<Message, Response = Option<Message>>,
     S::Error: Into<BoxError>,
 {
-    let (_keep, stop) = watch::channel(false);
-    conn::drive(channel, service, 64, stop, Arc::default()).await
+    conn::drive(channel, service, 64, None, Arc::default()).await
 }
