@@ -72,6 +72,10 @@ enum Kind {
     Integer {
         min: i64,
         max: i64,
+        /// The most digits (0 to 18) for which every unsigned decimal of that many digits is
+        /// in `min..=max`: a value of at most this many plain digits passes without being
+        /// parsed.
+        plain_digits: u8,
     },
     OneOf(Box<[Box<str>]>),
     Check {
@@ -88,17 +92,25 @@ impl Value {
 
     /// A decimal integer that fits an `i64` (`-12`, `0`, `+7`).
     pub fn integer() -> Value {
-        Value::of(Kind::Integer {
-            min: i64::MIN,
-            max: i64::MAX,
-        })
+        Value::integer_in(i64::MIN..=i64::MAX)
     }
 
     /// A decimal integer within `range`.
     pub fn integer_in(range: RangeInclusive<i64>) -> Value {
+        let (min, max) = (*range.start(), *range.end());
+        // Every unsigned decimal of `d` digits is in 0..=10^d - 1.
+        let plain_digits = if min <= 0 {
+            (1..=18u32)
+                .take_while(|&d| max >= 10i64.pow(d) - 1)
+                .last()
+                .unwrap_or(0) as u8
+        } else {
+            0
+        };
         Value::of(Kind::Integer {
-            min: *range.start(),
-            max: *range.end(),
+            min,
+            max,
+            plain_digits,
         })
     }
 
@@ -158,7 +170,7 @@ impl Value {
             ));
         }
         match &self.kind {
-            Kind::Integer { min, max } if min > max => {
+            Kind::Integer { min, max, .. } if min > max => {
                 Some(format!("the integer range {min}..={max} is empty"))
             }
             Kind::OneOf(v) if v.is_empty() => Some("one_of lists no value".into()),
@@ -174,7 +186,14 @@ impl Value {
         }
         match &self.kind {
             Kind::Any => true,
-            Kind::Integer { min, max } => parse_i64(value).is_some_and(|n| *min <= n && n <= *max),
+            Kind::Integer {
+                min,
+                max,
+                plain_digits,
+            } => {
+                (value.len() <= usize::from(*plain_digits) && all_digits(value.as_bytes()))
+                    || parse_i64(value).is_some_and(|n| *min <= n && n <= *max)
+            }
             Kind::OneOf(values) => values.iter().any(|v| same(v.as_bytes(), value.as_bytes())),
             Kind::Check { check, .. } => check(value),
         }
@@ -195,7 +214,7 @@ impl Value {
         }
         match &self.kind {
             Kind::Any => Ok(()),
-            Kind::Integer { min, max } => match value.parse::<i64>() {
+            Kind::Integer { min, max, .. } => match value.parse::<i64>() {
                 Err(_) => Err((
                     Rule::Integer,
                     format!("the value {} is not an integer", shown(value)),
@@ -262,6 +281,31 @@ fn parse_i64(value: &str) -> Option<i64> {
     Some(if negative { -n } else { n })
 }
 
+/// True when `b` is one or more ASCII digits. Up to 16 bytes are checked a word at a time,
+/// two overlapping loads and no loop, as [`same`] compares.
+#[inline]
+fn all_digits(b: &[u8]) -> bool {
+    let n = b.len();
+    let w4 = |at: usize| u32::from_ne_bytes(b[at..at + 4].try_into().expect("4 bytes"));
+    let w8 = |at: usize| u64::from_ne_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+    match n {
+        0 => false,
+        4..=7 => digits_in_word(u64::from(w4(0)) << 32 | u64::from(w4(n - 4))),
+        8..=16 => digits_in_word(w8(0)) && digits_in_word(w8(n - 8)),
+        _ => b.iter().all(u8::is_ascii_digit),
+    }
+}
+
+/// True when each of the 8 bytes of `x` is an ASCII digit. `t = byte ^ b'0'` is 0..=9 for a
+/// digit; `t + 0x76` sets bit 7 exactly when `t` is 10..=0x89, and `t`'s own bit 7 is set
+/// above that (a carry out of a byte happens only then, so it never hides a non-digit).
+#[inline]
+fn digits_in_word(x: u64) -> bool {
+    const EACH: u64 = 0x0101_0101_0101_0101;
+    let t = x ^ (EACH * 0x30);
+    (t.wrapping_add(EACH * 0x76) | t) & (EACH * 0x80) == 0
+}
+
 /// A value for an error message: quoted, and cut at 64 characters.
 fn shown(value: &str) -> String {
     match value.char_indices().nth(64) {
@@ -275,7 +319,7 @@ impl fmt::Debug for Value {
         let mut d = f.debug_struct("Value");
         match &self.kind {
             Kind::Any => d.field("kind", &"any"),
-            Kind::Integer { min, max } => d.field("integer", &(min..=max)),
+            Kind::Integer { min, max, .. } => d.field("integer", &(min..=max)),
             Kind::OneOf(v) => d.field("one_of", v),
             Kind::Check { name, .. } => d.field("check", name),
         };
@@ -583,6 +627,66 @@ mod tests {
             )
             .build()
             .unwrap()
+    }
+
+    #[test]
+    fn all_digits_is_every_byte_a_digit() {
+        let slow = |b: &[u8]| !b.is_empty() && b.iter().all(u8::is_ascii_digit);
+        assert!(!all_digits(b""));
+        for len in 1..=20 {
+            let base: Vec<u8> = (0..len).map(|i| b'0' + (i % 10) as u8).collect();
+            assert!(all_digits(&base));
+            for at in 0..len {
+                for byte in 0..=255u8 {
+                    let mut v = base.clone();
+                    v[at] = byte;
+                    assert_eq!(all_digits(&v), slow(&v), "{v:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn integer_rules_pass_what_parsing_passes() {
+        let ranges = [
+            0..=1000,
+            0..=999,
+            -5..=5,
+            1..=10,
+            0..=i64::MAX,
+            i64::MIN..=i64::MAX,
+            0..=999_999_999_999_999_999,
+            0..=999_999_999_999_999_998,
+        ];
+        let values = [
+            "0",
+            "9",
+            "10",
+            "999",
+            "1000",
+            "0999",
+            "0000",
+            "-0",
+            "+5",
+            "-5",
+            "-6",
+            "12a",
+            "",
+            "123456789012345678",
+            "999999999999999999",
+            "1000000000000000000",
+            "9223372036854775807",
+            "9223372036854775808",
+            "00000000000000000001",
+        ];
+        for range in ranges {
+            let rule = Value::integer_in(range.clone());
+            for v in values {
+                let parsed = v.parse::<i64>().is_ok_and(|n| range.contains(&n));
+                assert_eq!(rule.passes(v), parsed, "{v:?} in {range:?}");
+                assert_eq!(rule.check(v).is_ok(), parsed, "{v:?} in {range:?}");
+            }
+        }
     }
 
     fn rule_of(m: &Message) -> (Option<String>, Rule) {

@@ -23,7 +23,10 @@ pin_project! {
     enum Kind<T, F, G> {
         Inner { #[pin] future: F },
         Fallback { #[pin] future: G },
-        Ready { output: Option<Result<T, BoxError>> },
+        // The two answers decided at `call` are small, so the future is no larger than the
+        // inner service's (a stored response would add its size to every call's future).
+        Rejected { error: Option<BoxError> },
+        Discarded { default: fn() -> T },
     }
 }
 
@@ -40,11 +43,15 @@ impl<T, F, G> ResponseFuture<T, F, G> {
         }
     }
 
-    pub(super) fn ready(output: Result<T, BoxError>) -> Self {
+    pub(super) fn rejected(error: BoxError) -> Self {
         ResponseFuture {
-            kind: Kind::Ready {
-                output: Some(output),
-            },
+            kind: Kind::Rejected { error: Some(error) },
+        }
+    }
+
+    pub(super) fn discarded(default: fn() -> T) -> Self {
+        ResponseFuture {
+            kind: Kind::Discarded { default },
         }
     }
 }
@@ -64,11 +71,10 @@ where
             KindProj::Fallback { future } => {
                 Poll::Ready(ready!(future.poll(cx)).map_err(Into::into))
             }
-            KindProj::Ready { output } => Poll::Ready(
-                output
-                    .take()
-                    .expect("ResponseFuture polled after completion"),
-            ),
+            KindProj::Rejected { error } => Poll::Ready(Err(error
+                .take()
+                .expect("ResponseFuture polled after completion"))),
+            KindProj::Discarded { default } => Poll::Ready(Ok(default())),
         }
     }
 }

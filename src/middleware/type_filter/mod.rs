@@ -286,7 +286,7 @@ where
         if self.matches(&msg) {
             ResponseFuture::inner(self.inner.call(msg))
         } else {
-            ResponseFuture::ready(Err(self.reject(msg)))
+            ResponseFuture::rejected(self.reject(msg))
         }
     }
 }
@@ -312,7 +312,7 @@ where
             ResponseFuture::inner(self.inner.call(msg))
         } else {
             self.discard(msg);
-            ResponseFuture::ready(Ok(S::Response::default()))
+            ResponseFuture::discarded(S::Response::default)
         }
     }
 }
