@@ -1,7 +1,14 @@
 //! The cost of the tower middleware on small messages: 64 B messages over `inproc://`
 //! through a `TypeFilterLayer` + `MetaSchemaLayer` stack, against the bare channel in the
-//! same group and run. Run with `cargo bench --bench middleware`; a summary of ratios to the
-//! bare channel is printed at the end (goal: at most 1.10).
+//! same group and run. Run with `cargo bench --bench middleware` (criterion's report, then the
+//! summary) or `cargo bench --bench middleware -- --summary` (the summary alone).
+//!
+//! The summary runs every case in turn, 200,000 messages each, for `HF_BENCH_ROUNDS` rounds
+//! (15): each round's ratio is to its group's baseline measured in that round, so a drift of
+//! the machine's speed during the run falls on all cases alike (measured one after the
+//! other, as criterion does, ratios on a 2-vCPU VM moved by ±20 % between runs). It prints
+//! the median ratio and its range. Goals: `layers_send` ≤ 1.10, `layers_both` ≤ 1.20,
+//! `serve_client` ≤ 1.20.
 //!
 //! Every case moves the same messages (type `bench.data.chunk`, two metadata entries, a 64 B
 //! body) from a sender to a receiver task on one current-thread runtime; the clock stops
@@ -22,13 +29,15 @@
 //!
 //! * `by_hand` — a bare channel each way: the client sends a request with a correlation id
 //!   and waits on its receiver; the server's loop receives and sends the reply;
-//! * `serve_client` — a [`Client`](hyperframes::middleware::Client) calling a handler run by
-//!   [`serve_channel`](hyperframes::middleware::serve_channel) (goal: at most 1.20).
+//! * `serve_only` — the client by hand against a handler run by
+//!   [`serve_channel`](hyperframes::middleware::serve_channel): the server's share;
+//! * `client_only` — a [`Client`](hyperframes::middleware::Client) against the server by
+//!   hand: the client's share;
+//! * `serve_client` — a `Client` calling a handler run by `serve_channel` (goal: at most
+//!   1.20).
 
-use std::collections::BTreeMap;
 use std::future::{Ready, ready};
 use std::hint::black_box;
-use std::sync::Mutex;
 use std::task::{Context as TaskContext, Poll};
 use std::time::{Duration, Instant};
 
@@ -44,18 +53,6 @@ const GROUP: &str = "middleware_inproc_64B";
 const ALONE: &str = "middleware_alone";
 const ROUND_TRIP: &str = "request_reply_inproc_64B";
 const END: &str = "bench.data.end";
-
-/// Seconds and items per (group, case), summed over criterion's samples.
-type Totals = BTreeMap<(&'static str, String), (f64, u64)>;
-
-static TOTALS: Mutex<Totals> = Mutex::new(BTreeMap::new());
-
-fn record(group: &'static str, func: &str, elapsed: Duration, items: u64) {
-    let mut t = TOTALS.lock().unwrap();
-    let e = t.entry((group, func.into())).or_insert((0.0, 0));
-    e.0 += elapsed.as_secs_f64();
-    e.1 += items;
-}
 
 fn message() -> Message {
     Message::new("bench.data.chunk")
@@ -235,24 +232,29 @@ where
     start.elapsed()
 }
 
+/// A case: runs `n` messages (or round trips) and says how long they took.
+type Case<'a> = Box<dyn FnMut(u64) -> Duration + 'a>;
+
+/// Messages per case and round in the summary: 10 to 300 ms each.
+const ROUND_ITEMS: u64 = 200_000;
+
 fn main() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    let mut c = Criterion::default().configure_from_args();
-    let mut g = c.benchmark_group(GROUP);
-    g.throughput(Throughput::Elements(1))
-        .sample_size(20)
-        .measurement_time(Duration::from_secs(3))
-        .warm_up_time(Duration::from_secs(1));
+    let rt = &rt;
+    let mut cases: Vec<(&'static str, &'static str, Case<'_>)> = Vec::new();
 
     {
-        let (_ctx, mut tx, mut acks) = rt.block_on(channel(false));
+        let (ctx, mut tx, mut acks) = rt.block_on(channel(false));
         let msg = message();
-        g.bench_function("bare_channel", |b| {
-            b.iter_custom(|n| {
-                let d = rt.block_on(async {
+        cases.push((
+            GROUP,
+            "bare_channel",
+            Box::new(move |n| {
+                let _keep = &ctx;
+                rt.block_on(async {
                     let start = Instant::now();
                     for _ in 0..n {
                         tx.send(msg.clone()).await.unwrap();
@@ -260,57 +262,37 @@ fn main() {
                     tx.send(end()).await.unwrap();
                     assert_eq!(acks.recv().await, Some(n));
                     start.elapsed()
-                });
-                record(GROUP, "bare_channel", d, n);
-                d
-            })
-        });
+                })
+            }),
+        ));
     }
     {
-        let (_ctx, mut tx, mut acks) = rt.block_on(channel(false));
-        g.bench_function("sender_service", |b| {
-            b.iter_custom(|n| {
-                let d = rt.block_on(through_service(&mut tx, &mut acks, n));
-                record(GROUP, "sender_service", d, n);
-                d
-            })
-        });
+        let (ctx, mut tx, mut acks) = rt.block_on(channel(false));
+        cases.push((
+            GROUP,
+            "sender_service",
+            Box::new(move |n| {
+                let _keep = &ctx;
+                rt.block_on(through_service(&mut tx, &mut acks, n))
+            }),
+        ));
     }
-    {
-        let (_ctx, tx, mut acks) = rt.block_on(channel(false));
+    for (name, layered_rx) in [("layers_send", false), ("layers_both", true)] {
+        let (ctx, tx, mut acks) = rt.block_on(channel(layered_rx));
         let mut svc = ServiceBuilder::new()
             .layer(filter())
             .layer(schema())
             .service(tx);
-        g.bench_function("layers_send", |b| {
-            b.iter_custom(|n| {
-                let d = rt.block_on(through_service(&mut svc, &mut acks, n));
-                record(GROUP, "layers_send", d, n);
-                d
-            })
-        });
+        cases.push((
+            GROUP,
+            name,
+            Box::new(move |n| {
+                let _keep = &ctx;
+                rt.block_on(through_service(&mut svc, &mut acks, n))
+            }),
+        ));
     }
-    {
-        let (_ctx, tx, mut acks) = rt.block_on(channel(true));
-        let mut svc = ServiceBuilder::new()
-            .layer(filter())
-            .layer(schema())
-            .service(tx);
-        g.bench_function("layers_both", |b| {
-            b.iter_custom(|n| {
-                let d = rt.block_on(through_service(&mut svc, &mut acks, n));
-                record(GROUP, "layers_both", d, n);
-                d
-            })
-        });
-    }
-    g.finish();
 
-    let mut g = c.benchmark_group(ALONE);
-    g.throughput(Throughput::Elements(1))
-        .sample_size(20)
-        .measurement_time(Duration::from_secs(2))
-        .warm_up_time(Duration::from_secs(1));
     let mut noop = Take;
     let mut type_filter = filter().layer(Take);
     let mut meta_schema = schema().layer(Take);
@@ -318,32 +300,27 @@ fn main() {
         .layer(filter())
         .layer(schema())
         .service(Take);
-    let cases: [(&str, &mut dyn FnMut(u64) -> Duration); 4] = [
-        ("noop", &mut |n| rt.block_on(alone(&mut noop, n))),
-        ("type_filter", &mut |n| {
-            rt.block_on(alone(&mut type_filter, n))
-        }),
-        ("meta_schema", &mut |n| {
-            rt.block_on(alone(&mut meta_schema, n))
-        }),
-        ("both", &mut |n| rt.block_on(alone(&mut both, n))),
-    ];
-    for (name, svc) in cases {
-        g.bench_function(name, |b| {
-            b.iter_custom(|n| {
-                let d = svc(n);
-                record(ALONE, name, d, n);
-                d
-            })
-        });
-    }
-    g.finish();
+    cases.push((
+        ALONE,
+        "noop",
+        Box::new(move |n| rt.block_on(alone(&mut noop, n))),
+    ));
+    cases.push((
+        ALONE,
+        "type_filter",
+        Box::new(move |n| rt.block_on(alone(&mut type_filter, n))),
+    ));
+    cases.push((
+        ALONE,
+        "meta_schema",
+        Box::new(move |n| rt.block_on(alone(&mut meta_schema, n))),
+    ));
+    cases.push((
+        ALONE,
+        "both",
+        Box::new(move |n| rt.block_on(alone(&mut both, n))),
+    ));
 
-    let mut g = c.benchmark_group(ROUND_TRIP);
-    g.throughput(Throughput::Elements(1))
-        .sample_size(20)
-        .measurement_time(Duration::from_secs(3))
-        .warm_up_time(Duration::from_secs(1));
     {
         let ctx = Context::new();
         let (client, server) = rt.block_on(pair(&ctx));
@@ -351,9 +328,12 @@ fn main() {
         let (mut tx, mut rx) = client.split();
         let msg = message();
         let mut id = 0u64;
-        g.bench_function("by_hand", |b| {
-            b.iter_custom(|n| {
-                let d = rt.block_on(async {
+        cases.push((
+            ROUND_TRIP,
+            "by_hand",
+            Box::new(move |n| {
+                let _keep = &ctx;
+                rt.block_on(async {
                     let start = Instant::now();
                     for _ in 0..n {
                         id += 1;
@@ -367,11 +347,9 @@ fn main() {
                         black_box(answer);
                     }
                     start.elapsed()
-                });
-                record(ROUND_TRIP, "by_hand", d, n);
-                d
-            })
-        });
+                })
+            }),
+        ));
     }
     {
         let ctx = Context::new();
@@ -382,48 +360,146 @@ fn main() {
             ready(Ok::<_, BoxError>(Some(ack.clone())))
         });
         rt.spawn(serve_channel(server, handler));
+        let (mut tx, mut rx) = client.split();
+        let msg = message();
+        let mut id = 0u64;
+        cases.push((
+            ROUND_TRIP,
+            "serve_only",
+            Box::new(move |n| {
+                let _keep = &ctx;
+                rt.block_on(async {
+                    let start = Instant::now();
+                    for _ in 0..n {
+                        id += 1;
+                        let req = msg.clone().with_header(Header {
+                            flags: Flags::REQUEST,
+                            correlation: id,
+                        });
+                        tx.send(req).await.unwrap();
+                        let answer = rx.recv().await.unwrap().unwrap();
+                        assert_eq!(answer.header().correlation, id);
+                        black_box(answer);
+                    }
+                    start.elapsed()
+                })
+            }),
+        ));
+    }
+    for (name, by_hand_server) in [("client_only", true), ("serve_client", false)] {
+        let ctx = Context::new();
+        let (client, server) = rt.block_on(pair(&ctx));
+        if by_hand_server {
+            rt.spawn(server_by_hand(server));
+        } else {
+            let ack = reply();
+            let handler = service_fn(move |req: Message| {
+                black_box(&req);
+                ready(Ok::<_, BoxError>(Some(ack.clone())))
+            });
+            rt.spawn(serve_channel(server, handler));
+        }
         let mut client = rt.block_on(async { Client::new(client) });
         let msg = message();
-        g.bench_function("serve_client", |b| {
-            b.iter_custom(|n| {
-                let d = rt.block_on(async {
+        cases.push((
+            ROUND_TRIP,
+            name,
+            Box::new(move |n| {
+                let _keep = &ctx;
+                rt.block_on(async {
                     let start = Instant::now();
                     for _ in 0..n {
                         let answer = client.ready().await.unwrap().call(msg.clone()).await;
                         black_box(answer.unwrap());
                     }
                     start.elapsed()
-                });
-                record(ROUND_TRIP, "serve_client", d, n);
-                d
-            })
-        });
+                })
+            }),
+        ));
     }
-    g.finish();
+
+    // Criterion's own measurement and report, case by case (skipped with `--summary`).
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let summary_only = args.iter().any(|a| a == "--summary");
+    let mut c = if summary_only {
+        Criterion::default()
+    } else {
+        Criterion::default().configure_from_args()
+    };
+    for group in [GROUP, ALONE, ROUND_TRIP]
+        .into_iter()
+        .filter(|_| !summary_only)
+    {
+        let mut g = c.benchmark_group(group);
+        g.throughput(Throughput::Elements(1))
+            .sample_size(20)
+            .measurement_time(Duration::from_secs(if group == ALONE { 2 } else { 3 }))
+            .warm_up_time(Duration::from_secs(1));
+        for (_, name, run) in cases.iter_mut().filter(|(g, ..)| *g == group) {
+            g.bench_function(*name, |b| b.iter_custom(&mut **run));
+        }
+        g.finish();
+    }
     c.final_summary();
 
-    let t = TOTALS.lock().unwrap();
-    let ns = |(s, n): &(f64, u64)| s / *n as f64 * 1e9;
-    let of = |group, case: &str| t.get(&(group, case.into())).map(ns).unwrap_or(f64::NAN);
+    // The summary: every case in turn, round after round, so a drift in the machine's speed
+    // (frequency, a neighbour) falls on all of them alike; each round's ratio is to its
+    // group's baseline measured in the same round. Skipped when criterion was given a
+    // filter (one case alone has no ratio) or with --list.
+    if args.iter().any(|a| !a.starts_with('-')) || args.iter().any(|a| a == "--list") {
+        return;
+    }
+    let rounds: usize = std::env::var("HF_BENCH_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(15);
+    let mut per_case: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+    for _ in 0..rounds {
+        for (i, (_, _, run)) in cases.iter_mut().enumerate() {
+            per_case[i].push(run(ROUND_ITEMS).as_secs_f64() * 1e9 / ROUND_ITEMS as f64);
+        }
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
     println!(
-        "\nsummary (same run; ratio = time per message / the group's baseline; goals: layers_send \
-         <= 1.10, layers_both <= 1.20, serve_client <= 1.20)"
+        "\nsummary: {rounds} rounds of {ROUND_ITEMS} per case, the cases in turn; ns/msg and the \
+         ratio to the group's baseline in the same round: median [min - max]. Goals: \
+         layers_send <= 1.10, layers_both <= 1.20, serve_client <= 1.20"
     );
-    for ((group, case), v) in t.iter() {
+    for (i, (group, case, _)) in cases.iter().enumerate() {
         let base = match *group {
-            GROUP => of(GROUP, "bare_channel"),
-            ALONE => of(ALONE, "noop"),
-            _ => of(ROUND_TRIP, "by_hand"),
+            GROUP => "bare_channel",
+            ALONE => "noop",
+            _ => "by_hand",
         };
+        let b = cases
+            .iter()
+            .position(|(g, c, _)| g == group && *c == base)
+            .expect("every group has its baseline");
+        let ratios: Vec<f64> = per_case[i]
+            .iter()
+            .zip(&per_case[b])
+            .map(|(x, y)| x / y)
+            .collect();
+        let (lo, hi) = ratios
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
         let extra = if *group == ALONE {
-            format!("  +{:.1} ns", ns(v) - base)
+            let diffs = per_case[i]
+                .iter()
+                .zip(&per_case[b])
+                .map(|(x, y)| x - y)
+                .collect();
+            format!("  +{:.1} ns", median(diffs))
         } else {
             String::new()
         };
         println!(
-            "  {group:<24} {case:<16} {:>8.1} ns/msg  ratio {:.3}{extra}",
-            ns(v),
-            ns(v) / base
+            "  {group:<24} {case:<16} {:>8.1} ns/msg  ratio {:.3} [{lo:.3} - {hi:.3}]{extra}",
+            median(per_case[i].clone()),
+            median(ratios),
         );
     }
 }
