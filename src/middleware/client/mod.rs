@@ -137,6 +137,64 @@ struct Inner {
 /// cannot hold a task; past it, the poll yields and comes back.
 const READS_PER_POLL: usize = 64;
 
+/// The requests in flight: the first in a field of its own, the others in a map, so a client
+/// that makes one request at a time never hashes.
+#[derive(Default)]
+struct Pending {
+    one: Option<(u64, Entry)>,
+    more: HashMap<u64, Entry, BuildHasherDefault<IdHasher>>,
+}
+
+impl Pending {
+    fn insert(&mut self, id: u64, entry: Entry) {
+        match self.one {
+            None => self.one = Some((id, entry)),
+            Some(_) => {
+                self.more.insert(id, entry);
+            }
+        }
+    }
+
+    #[inline]
+    fn get_mut(&mut self, id: u64) -> Option<&mut Entry> {
+        match &mut self.one {
+            Some((k, e)) if *k == id => Some(e),
+            _ if self.more.is_empty() => None,
+            _ => self.more.get_mut(&id),
+        }
+    }
+
+    #[inline]
+    fn remove(&mut self, id: u64) -> Option<Entry> {
+        if matches!(&self.one, Some((k, _)) if *k == id) {
+            return self.one.take().map(|(_, e)| e);
+        }
+        if self.more.is_empty() {
+            return None;
+        }
+        self.more.remove(&id)
+    }
+
+    fn len(&self) -> usize {
+        usize::from(self.one.is_some()) + self.more.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.one.is_none() && self.more.is_empty()
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = (&u64, &mut Entry)> {
+        self.one
+            .iter_mut()
+            .map(|(k, e)| (&*k, e))
+            .chain(self.more.iter_mut())
+    }
+
+    fn values_mut(&mut self) -> impl Iterator<Item = &mut Entry> {
+        self.iter_mut().map(|(_, e)| e)
+    }
+}
+
 /// A request in flight: whether its reply came (it waits in [`Shared::answered`]), and the
 /// waker of its response future. Small, so the map moves a few words per request, not a
 /// message.
@@ -149,7 +207,7 @@ struct Shared {
     /// The channel's receiving half, read by the response futures themselves (there is no
     /// reader task). `None` once it ended.
     rx: Option<Receiver>,
-    pending: HashMap<u64, Entry, BuildHasherDefault<IdHasher>>,
+    pending: Pending,
     /// Replies (or failures) handed to requests in flight by another request's read, until
     /// they take them: at most one per entry in `pending`, and usually empty (a request that
     /// reads its own reply returns it at once).
@@ -264,7 +322,7 @@ impl Inner {
 
     /// Hands the reply `id` to its request and wakes it; counts it when the request is gone.
     fn deliver(&self, sh: &mut Shared, id: u64, result: Result<Message>) {
-        match sh.pending.get_mut(&id) {
+        match sh.pending.get_mut(id) {
             Some(entry) if !entry.answered => {
                 entry.answered = true;
                 sh.answered.push((id, result));
@@ -312,7 +370,7 @@ impl Inner {
     /// its own reply from the channel last), wake another request to read in its place. A
     /// wake too many costs a poll; one too few would leave the others waiting forever.
     fn leave(&self, sh: &mut Shared, id: u64) {
-        match sh.pending.remove(&id) {
+        match sh.pending.remove(id) {
             Some(Entry { answered, waker }) => {
                 if answered {
                     // Cancelled after another request delivered its reply: drop the reply.
@@ -343,7 +401,7 @@ impl Inner {
     fn poll_reply(&self, id: u64, cx: &mut Context<'_>) -> Poll<Result<Message>> {
         let mut guard = self.shared();
         let sh = &mut *guard;
-        let Some(entry) = sh.pending.get_mut(&id) else {
+        let Some(entry) = sh.pending.get_mut(id) else {
             return Poll::Ready(Err(Error::new(
                 ErrorKind::Closed,
                 "the request is no longer in flight",
@@ -390,7 +448,7 @@ impl Inner {
                     // The receiver holds our waker now; the entry holds it too, for whoever
                     // reads next (another request re-registers the receiver with its own)
                     // to deliver our reply, or to hand the reading back to us when it leaves.
-                    let entry = sh.pending.get_mut(&id).expect("our entry, under the lock");
+                    let entry = sh.pending.get_mut(id).expect("our entry, under the lock");
                     match &entry.waker {
                         Some(w) if w.will_wake(cx.waker()) => {}
                         _ => {
@@ -411,7 +469,7 @@ impl Inner {
 
     fn take_answered(&self, sh: &mut Shared, id: u64) -> Poll<Result<Message>> {
         let reply = take_answer(&mut sh.answered, id);
-        if let Some(e) = sh.pending.get_mut(&id) {
+        if let Some(e) = sh.pending.get_mut(id) {
             e.answered = false; // taken: `leave` has nothing to drop
         }
         self.leave(sh, id);
@@ -492,7 +550,7 @@ impl Client {
             peer,
             shared: Mutex::new(Shared {
                 rx: Some(rx),
-                pending: HashMap::default(),
+                pending: Pending::default(),
                 answered: Vec::new(),
                 failure: None,
                 reader: None,
