@@ -34,7 +34,10 @@
 //! * `client_only` — a [`Client`](hyperframes::middleware::Client) against the server by
 //!   hand: the client's share;
 //! * `serve_client` — a `Client` calling a handler run by `serve_channel` (goal: at most
-//!   1.20).
+//!   1.20);
+//! * `tower_buffer` — for scale, tower's own request/response between two tasks in memory:
+//!   the same handler behind `tower::buffer::Buffer` (a channel to its worker task, a
+//!   oneshot back), no hyperframes channel at all.
 
 use std::future::{Ready, ready};
 use std::hint::black_box;
@@ -380,6 +383,31 @@ fn main() {
                         let answer = rx.recv().await.unwrap().unwrap();
                         assert_eq!(answer.header().correlation, id);
                         black_box(answer);
+                    }
+                    start.elapsed()
+                })
+            }),
+        ));
+    }
+    {
+        // tower's own in-memory request/response across tasks, for scale: `Buffer` sends each
+        // request to a worker task over a channel and the response back over a oneshot.
+        let ack = reply();
+        let handler = service_fn(move |req: Message| {
+            black_box(&req);
+            ready(Ok::<_, BoxError>(ack.clone()))
+        });
+        let mut svc = rt.block_on(async { tower::buffer::Buffer::new(handler, 1024) });
+        let msg = message();
+        cases.push((
+            ROUND_TRIP,
+            "tower_buffer",
+            Box::new(move |n| {
+                rt.block_on(async {
+                    let start = Instant::now();
+                    for _ in 0..n {
+                        let answer = svc.ready().await.unwrap().call(msg.clone()).await;
+                        black_box(answer.unwrap());
                     }
                     start.elapsed()
                 })
