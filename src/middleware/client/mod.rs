@@ -217,7 +217,8 @@ struct Shared {
     /// leaves, another request must take over reading, or the others would wait forever.
     reader: Option<u64>,
     /// The waker of the last request that left, for the next one from the same task to take
-    /// instead of a clone (a task making one request after another wakes the same way).
+    /// instead of a clone (a task making one request after another wakes the same way). It
+    /// holds a reference to that task until the next request or the client's end.
     spare: Option<Waker>,
 }
 
