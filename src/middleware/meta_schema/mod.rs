@@ -109,7 +109,7 @@ where
         self.inner.poll_ready(cx).map_err(Into::into)
     }
 
-    #[inline]
+    #[inline(always)]
     fn call(&mut self, msg: Message) -> Self::Future {
         let schema = &self.schema;
         if self.naming.get(msg.kind(), |kind| schema.passes_type(kind))

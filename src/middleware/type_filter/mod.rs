@@ -281,7 +281,7 @@ where
         self.inner.poll_ready(cx).map_err(Into::into)
     }
 
-    #[inline]
+    #[inline(always)]
     fn call(&mut self, msg: Message) -> Self::Future {
         if self.matches(&msg) {
             ResponseFuture::inner(self.inner.call(msg))
@@ -306,7 +306,7 @@ where
         self.inner.poll_ready(cx).map_err(Into::into)
     }
 
-    #[inline]
+    #[inline(always)]
     fn call(&mut self, msg: Message) -> Self::Future {
         if self.matches(&msg) {
             ResponseFuture::inner(self.inner.call(msg))
@@ -342,7 +342,7 @@ where
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn call(&mut self, msg: Message) -> Self::Future {
         if self.matches(&msg) {
             ResponseFuture::inner(self.inner.call(msg))
