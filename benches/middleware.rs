@@ -144,6 +144,20 @@ fn reply() -> Message {
         .with_body(vec![0xa5u8; 64])
 }
 
+/// The served handler: answers every request with the reply.
+fn acknowledge() -> impl Service<
+    Message,
+    Response = Option<Message>,
+    Error = BoxError,
+    Future = Ready<Result<Option<Message>, BoxError>>,
+> {
+    let ack = reply();
+    service_fn(move |req: Message| {
+        black_box(&req);
+        ready(Ok(Some(ack.clone())))
+    })
+}
+
 /// A connected inproc channel pair: (client's end, server's end).
 async fn pair(ctx: &Context) -> (hyperframes::Channel, hyperframes::Channel) {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -238,6 +252,37 @@ where
 /// A case: runs `n` messages (or round trips) and says how long they took.
 type Case<'a> = Box<dyn FnMut(u64) -> Duration + 'a>;
 
+/// A round-trip case: `n` requests through `svc` (ready, call, await the reply), one at a
+/// time; `keep` lives as long as the case (the context of its channel).
+fn calls_case<'a, S, K>(rt: &'a tokio::runtime::Runtime, mut svc: S, keep: K) -> Case<'a>
+where
+    S: Service<Message> + 'a,
+    S::Error: std::fmt::Debug,
+    K: 'a,
+{
+    let msg = message();
+    Box::new(move |n| {
+        let _keep = &keep;
+        rt.block_on(async {
+            let start = Instant::now();
+            for _ in 0..n {
+                let answer = svc.ready().await.unwrap().call(msg.clone()).await;
+                black_box(answer.unwrap());
+            }
+            start.elapsed()
+        })
+    })
+}
+
+/// A `middleware_alone` case: `svc` alone on this thread.
+fn alone_case<'a, S>(rt: &'a tokio::runtime::Runtime, mut svc: S) -> Case<'a>
+where
+    S: Service<Message, Response = ()> + 'a,
+    S::Error: std::fmt::Debug,
+{
+    Box::new(move |n| rt.block_on(alone(&mut svc, n)))
+}
+
 /// Messages per case and round in the summary: 10 to 300 ms each.
 const ROUND_ITEMS: u64 = 200_000;
 
@@ -296,79 +341,34 @@ fn main() {
         ));
     }
 
-    let mut noop = Take;
-    let mut type_filter = filter().layer(Take);
-    let mut meta_schema = schema().layer(Take);
-    let mut both = ServiceBuilder::new()
+    let stack = ServiceBuilder::new()
         .layer(filter())
         .layer(schema())
         .service(Take);
-    cases.push((
-        ALONE,
-        "noop",
-        Box::new(move |n| rt.block_on(alone(&mut noop, n))),
-    ));
-    cases.push((
-        ALONE,
-        "type_filter",
-        Box::new(move |n| rt.block_on(alone(&mut type_filter, n))),
-    ));
-    cases.push((
-        ALONE,
-        "meta_schema",
-        Box::new(move |n| rt.block_on(alone(&mut meta_schema, n))),
-    ));
-    cases.push((
-        ALONE,
-        "both",
-        Box::new(move |n| rt.block_on(alone(&mut both, n))),
-    ));
-
-    {
-        let ctx = Context::new();
-        let (client, server) = rt.block_on(pair(&ctx));
-        rt.spawn(server_by_hand(server));
-        let (mut tx, mut rx) = client.split();
-        let msg = message();
-        let mut id = 0u64;
-        cases.push((
-            ROUND_TRIP,
-            "by_hand",
-            Box::new(move |n| {
-                let _keep = &ctx;
-                rt.block_on(async {
-                    let start = Instant::now();
-                    for _ in 0..n {
-                        id += 1;
-                        let req = msg.clone().with_header(Header {
-                            flags: Flags::REQUEST,
-                            correlation: id,
-                        });
-                        tx.send(req).await.unwrap();
-                        let answer = rx.recv().await.unwrap().unwrap();
-                        assert_eq!(answer.header().correlation, id);
-                        black_box(answer);
-                    }
-                    start.elapsed()
-                })
-            }),
-        ));
+    for (name, case) in [
+        ("noop", alone_case(rt, Take)),
+        ("type_filter", alone_case(rt, filter().layer(Take))),
+        ("meta_schema", alone_case(rt, schema().layer(Take))),
+        ("both", alone_case(rt, stack)),
+    ] {
+        cases.push((ALONE, name, case));
     }
-    {
+
+    // The client by hand, against the server by hand and against `serve_channel`.
+    for (name, served) in [("by_hand", false), ("serve_only", true)] {
         let ctx = Context::new();
         let (client, server) = rt.block_on(pair(&ctx));
-        let ack = reply();
-        let handler = service_fn(move |req: Message| {
-            black_box(&req);
-            ready(Ok::<_, BoxError>(Some(ack.clone())))
-        });
-        rt.spawn(serve_channel(server, handler));
+        if served {
+            rt.spawn(serve_channel(server, acknowledge()));
+        } else {
+            rt.spawn(server_by_hand(server));
+        }
         let (mut tx, mut rx) = client.split();
         let msg = message();
         let mut id = 0u64;
         cases.push((
             ROUND_TRIP,
-            "serve_only",
+            name,
             Box::new(move |n| {
                 let _keep = &ctx;
                 rt.block_on(async {
@@ -397,22 +397,8 @@ fn main() {
             black_box(&req);
             ready(Ok::<_, BoxError>(ack.clone()))
         });
-        let mut svc = rt.block_on(async { tower::buffer::Buffer::new(handler, 1024) });
-        let msg = message();
-        cases.push((
-            ROUND_TRIP,
-            "tower_buffer",
-            Box::new(move |n| {
-                rt.block_on(async {
-                    let start = Instant::now();
-                    for _ in 0..n {
-                        let answer = svc.ready().await.unwrap().call(msg.clone()).await;
-                        black_box(answer.unwrap());
-                    }
-                    start.elapsed()
-                })
-            }),
-        ));
+        let svc = rt.block_on(async { tower::buffer::Buffer::new(handler, 1024) });
+        cases.push((ROUND_TRIP, "tower_buffer", calls_case(rt, svc, ())));
     }
     for (name, by_hand_server) in [("client_only", true), ("serve_client", false)] {
         let ctx = Context::new();
@@ -420,30 +406,10 @@ fn main() {
         if by_hand_server {
             rt.spawn(server_by_hand(server));
         } else {
-            let ack = reply();
-            let handler = service_fn(move |req: Message| {
-                black_box(&req);
-                ready(Ok::<_, BoxError>(Some(ack.clone())))
-            });
-            rt.spawn(serve_channel(server, handler));
+            rt.spawn(serve_channel(server, acknowledge()));
         }
-        let mut client = rt.block_on(async { Client::new(client) });
-        let msg = message();
-        cases.push((
-            ROUND_TRIP,
-            name,
-            Box::new(move |n| {
-                let _keep = &ctx;
-                rt.block_on(async {
-                    let start = Instant::now();
-                    for _ in 0..n {
-                        let answer = client.ready().await.unwrap().call(msg.clone()).await;
-                        black_box(answer.unwrap());
-                    }
-                    start.elapsed()
-                })
-            }),
-        ));
+        let client = rt.block_on(async { Client::new(client) });
+        cases.push((ROUND_TRIP, name, calls_case(rt, client, ctx)));
     }
 
     // Criterion's own measurement and report, case by case (skipped with `--summary`).
