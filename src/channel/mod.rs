@@ -635,18 +635,27 @@ impl Receiver {
     /// a current-thread runtime kept them off the CPU until the peer declared it silent.
     #[inline]
     fn poll_recv_inner(&mut self, cx: &mut TaskContext<'_>) -> Poll<Option<Result<Message>>> {
-        if self.unbudgeted >= COOP_EVERY - 1 {
-            let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
-            coop.made_progress();
-            self.unbudgeted = 0;
+        // The unit is taken before polling (an exhausted budget yields here) and given back
+        // when nothing came (dropped without `made_progress`), so only receives count.
+        let coop = if self.unbudgeted >= COOP_EVERY - 1 {
+            Some(std::task::ready!(tokio::task::coop::poll_proceed(cx)))
         } else {
-            self.unbudgeted += 1;
-        }
+            None
+        };
         let got = match self.half.poll_recv(cx) {
             Poll::Ready(Some(Ok(m))) if self.asm.passes(&m) => Poll::Ready(Some(Ok(m))),
             Poll::Pending => return Poll::Pending,
             other => self.assemble(other, cx),
         };
+        if got.is_ready() {
+            match coop {
+                Some(coop) => {
+                    coop.made_progress();
+                    self.unbudgeted = 0;
+                }
+                None => self.unbudgeted += 1,
+            }
+        }
         if let Poll::Ready(Some(Ok(m))) = &got {
             self.info.received.add(1, m.body().len() as u64);
         }
