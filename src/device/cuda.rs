@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DriverError, result, sys};
 
-use super::{Backend, Done, HostMem, Mem, check_range};
+use super::{Backend, Done, HostMem, Keep, Live, LiveGuard, Mem, check_range};
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::Location;
 
@@ -63,6 +63,7 @@ pub(super) fn open(ordinal: usize) -> Result<Arc<dyn Backend>> {
         ctx,
         stream,
         ordinal,
+        live: Live::default(),
     }))
 }
 
@@ -70,31 +71,93 @@ struct Cuda {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     ordinal: usize,
+    live: Live,
 }
 
 struct CudaMem {
-    slice: CudaSlice<u8>,
+    /// `Some` until drop.
+    slice: Option<CudaSlice<u8>>,
+    /// How the memory goes when the body drops.
+    owner: Owner,
+    _live: LiveGuard,
+    /// Dropped after the memory is released (`Drop` below runs first).
+    _keep: Option<Keep>,
+}
+
+/// Who frees a body's memory.
+enum Owner {
+    /// cudarc (`CudaSlice`'s drop): memory the application allocated.
+    Cudarc,
+    /// We do, with `cuMemFree`: memory of `Gpu::alloc` (from `cuMemAlloc`, which CUDA IPC
+    /// can export, unlike memory of the stream-ordered pools).
+    Alloc,
+    /// A mapping of another process's memory (`cuIpcOpenMemHandle` of this base address),
+    /// closed with `cuIpcCloseMemHandle`.
+    #[cfg_attr(not(feature = "shm"), allow(dead_code))]
+    Mapped(sys::CUdeviceptr),
+}
+
+impl CudaMem {
+    fn slice(&self) -> &CudaSlice<u8> {
+        self.slice.as_ref().expect("present until drop")
+    }
 }
 
 impl Mem for CudaMem {
     fn len(&self) -> usize {
-        self.slice.len()
+        self.slice().len()
     }
     fn as_any(&self) -> &dyn Any {
         self
     }
 }
 
+impl Drop for CudaMem {
+    fn drop(&mut self) {
+        let Some(slice) = self.slice.take() else {
+            return;
+        };
+        if matches!(self.owner, Owner::Cudarc) {
+            return drop(slice);
+        }
+        let stream = slice.stream().clone();
+        // Waits for the copies cudarc tracked, and gives up its ownership of the pointer.
+        let ptr = slice.leak();
+        let _ = bind(&stream);
+        // What was queued on the body's stream may still read it.
+        let _ = stream.synchronize();
+        let freed = match self.owner {
+            // SAFETY: allocated by `cuMemAlloc` in `alloc`, freed once, nothing queued on it.
+            Owner::Alloc => unsafe { result::free_sync(ptr) },
+            // SAFETY: `base` was opened by `cuIpcOpenMemHandle` in `import` and is closed
+            // once; nothing queued on it.
+            Owner::Mapped(base) => unsafe { sys::cuIpcCloseMemHandle(base) }.result(),
+            Owner::Cudarc => Ok(()),
+        };
+        if let Err(e) = freed {
+            tracing::warn!(error = ?e, "CUDA: releasing device memory failed");
+        }
+    }
+}
+
 pub(super) fn slice_of(mem: &dyn Mem) -> Option<&CudaSlice<u8>> {
-    mem.as_any().downcast_ref::<CudaMem>().map(|m| &m.slice)
+    mem.as_any().downcast_ref::<CudaMem>().map(CudaMem::slice)
 }
 
 pub(super) fn wrap(backend: &dyn Backend, slice: CudaSlice<u8>) -> Result<Arc<dyn Mem>> {
-    match backend.location() {
-        Location::Cuda { ordinal } if ordinal as usize == slice.context().ordinal() => {
-            Ok(Arc::new(CudaMem { slice }))
+    let cuda = backend.as_any().downcast_ref::<Cuda>();
+    match (backend.location(), cuda) {
+        (Location::Cuda { ordinal }, Some(cuda))
+            if ordinal as usize == slice.context().ordinal() =>
+        {
+            Ok(Arc::new(CudaMem {
+                slice: Some(slice),
+                owner: Owner::Cudarc,
+                _live: cuda.live.guard(),
+                _keep: None,
+            }))
         }
-        other => Err(Error::new(
+        (other, _) => Err(Error::new(
             ErrorKind::Mismatch,
             format!(
                 "memory of CUDA device {} cannot be a body of {other:?}",
@@ -129,6 +192,10 @@ unsafe extern "C" fn on_done(arg: *mut c_void) {
 }
 
 impl Backend for Cuda {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
     fn location(&self) -> Location {
         Location::Cuda {
             ordinal: self.ordinal as u32,
@@ -140,11 +207,136 @@ impl Backend for Cuda {
     }
 
     fn alloc(&self, len: usize) -> Result<Arc<dyn Mem>> {
-        let slice = self
-            .stream
-            .alloc_zeros::<u8>(len)
+        if len == 0 {
+            let slice = self
+                .stream
+                .alloc_zeros::<u8>(0)
+                .map_err(|e| failed("allocating an empty body", e))?;
+            return Ok(Arc::new(CudaMem {
+                slice: Some(slice),
+                owner: Owner::Cudarc,
+                _live: self.live.guard(),
+                _keep: None,
+            }));
+        }
+        bind(&self.stream)?;
+        // `cuMemAlloc`, not the stream-ordered pool cudarc would use: CUDA IPC exports only
+        // the former.
+        // SAFETY: a plain allocation in the bound context, owned by the `CudaMem` below.
+        let ptr = unsafe { result::malloc_sync(len) }
             .map_err(|e| failed(&format!("allocating {len} bytes"), e))?;
-        Ok(Arc::new(CudaMem { slice }))
+        // SAFETY: `ptr` is a live allocation of `len` bytes of this context; the slice gives
+        // it back with `leak` in `CudaMem::drop`, which frees it.
+        let slice = unsafe { self.stream.upgrade_device_ptr::<u8>(ptr, len) };
+        let mem = CudaMem {
+            slice: Some(slice),
+            owner: Owner::Alloc,
+            _live: self.live.guard(),
+            _keep: None,
+        };
+        // SAFETY: `len` bytes at `ptr` are ours; later copies are queued after it.
+        unsafe { result::memset_d8_async(ptr, 0, len, self.stream.cu_stream()) }
+            .map_err(|e| failed("zeroing new device memory", e))?;
+        Ok(Arc::new(mem))
+    }
+
+    fn live(&self) -> usize {
+        self.live.count()
+    }
+
+    #[cfg(feature = "shm")]
+    fn ipc_kind(&self) -> u8 {
+        super::IPC_CUDA
+    }
+
+    #[cfg(feature = "shm")]
+    fn export(&self, mem: &Arc<dyn Mem>) -> Result<super::IpcHandle> {
+        let m = mine(&**mem)?;
+        let slice = m.slice();
+        let stream = slice.stream();
+        bind(stream)?;
+        let (ptr, _record) = slice.device_ptr(stream);
+        // The handle names the whole allocation: find where the body lies in it.
+        let (mut base, mut size) = (0, 0);
+        // SAFETY: out-pointers to locals; `ptr` is device memory of the bound context.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+            .result()
+            .map_err(|e| failed("finding a body's allocation", e))?;
+        let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: `base` is the start of an allocation of this context; the handle is an
+        // out-pointer to a local. Memory of a stream-ordered pool is refused here (an
+        // error: the body is staged instead).
+        unsafe { sys::cuIpcGetMemHandle(&mut handle, base) }
+            .result()
+            .map_err(|e| failed("exporting device memory (cuIpcGetMemHandle)", e))?;
+        // Queued writes to the body are done before the peer reads it.
+        stream
+            .synchronize()
+            .map_err(|e| failed("waiting for writes to a body", e))?;
+        Ok(super::IpcHandle {
+            kind: super::IPC_CUDA,
+            handle: handle.reserved.map(|c| c as u8),
+            offset: ptr - base,
+            len: slice.len() as u64,
+        })
+    }
+
+    #[cfg(feature = "shm")]
+    fn import(&self, h: &super::IpcHandle, keep: Keep) -> Result<Arc<dyn Mem>> {
+        if h.kind != super::IPC_CUDA || h.len == 0 {
+            return Err(Error::new(
+                ErrorKind::Protocol,
+                format!(
+                    "not a CUDA IPC handle of a body: kind {}, {} bytes",
+                    h.kind, h.len
+                ),
+            ));
+        }
+        bind(&self.stream)?;
+        let handle = sys::CUipcMemHandle {
+            reserved: h.handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut base = 0;
+        // SAFETY: an out-pointer to a local; the driver checks the handle.
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut base,
+                handle,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        }
+        .result()
+        .map_err(|e| failed("mapping a peer's device memory (cuIpcOpenMemHandle)", e))?;
+        // Close it again if the body does not fit the allocation.
+        let mut size = 0;
+        let mut start = 0;
+        // SAFETY: out-pointers to locals; `base` is mapped in the bound context.
+        let range = unsafe { sys::cuMemGetAddressRange_v2(&mut start, &mut size, base) }.result();
+        let fits = range.is_ok()
+            && h.offset
+                .checked_add(h.len)
+                .is_some_and(|end| end <= size as u64);
+        if !fits {
+            // SAFETY: opened above, closed once.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(base) };
+            return Err(Error::new(
+                ErrorKind::Protocol,
+                format!(
+                    "a CUDA IPC handle for {} bytes at {} of an allocation of {size}",
+                    h.len, h.offset
+                ),
+            ));
+        }
+        let len = h.len as usize; // within an allocation
+        // SAFETY: `base + offset` is mapped for `len` bytes (checked); `CudaMem::drop` takes
+        // it back with `leak` and closes the mapping, never frees it.
+        let slice = unsafe { self.stream.upgrade_device_ptr::<u8>(base + h.offset, len) };
+        Ok(Arc::new(CudaMem {
+            slice: Some(slice),
+            owner: Owner::Mapped(base),
+            _live: self.live.guard(),
+            _keep: Some(keep),
+        }))
     }
 
     fn alloc_host(&self, len: usize) -> Result<Box<dyn HostMem>> {
@@ -170,12 +362,12 @@ impl Backend for Cuda {
         done: Arc<Done>,
     ) -> Result<()> {
         let m = mine(&**src)?;
-        check_range(offset, len, m.slice.len())?;
+        check_range(offset, len, m.slice().len())?;
         // The copy goes on the body's own stream: after whatever wrote it there. The raw
         // calls below need its context current on this thread.
-        let stream = m.slice.stream();
+        let stream = m.slice().stream();
         bind(stream)?;
-        let (ptr, _record) = m.slice.device_ptr(stream);
+        let (ptr, _record) = m.slice().device_ptr(stream);
         // SAFETY: the caller keeps `dst` valid for `len` bytes and untouched until `done`
         // completes, which the host function queued after the copy does; the range of the
         // source was checked and `src` is kept alive by the caller's ticket.
@@ -204,10 +396,10 @@ impl Backend for Cuda {
 
     fn copy_in(&self, dst: &dyn Mem, offset: usize, src: &[u8]) -> Result<()> {
         let m = mine(dst)?;
-        check_range(offset, src.len(), m.slice.len())?;
-        let stream = m.slice.stream();
+        check_range(offset, src.len(), m.slice().len())?;
+        let stream = m.slice().stream();
         bind(stream)?;
-        let (ptr, _record) = m.slice.device_ptr(stream);
+        let (ptr, _record) = m.slice().device_ptr(stream);
         // SAFETY: the range was checked; from pageable memory the driver has taken `src`
         // when the call returns, and `finish_copy_in` waits for the copy to land.
         unsafe { result::memcpy_htod_async(ptr + offset as u64, src, stream.cu_stream()) }
@@ -216,7 +408,7 @@ impl Backend for Cuda {
 
     fn finish_copy_in(&self, dst: &dyn Mem) -> Result<()> {
         mine(dst)?
-            .slice
+            .slice()
             .stream()
             .synchronize()
             .map_err(|e| failed("waiting for copies to the device", e))

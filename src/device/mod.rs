@@ -7,7 +7,8 @@
 //! | transport | path | what moves |
 //! |---|---|---|
 //! | `inproc://` | `"in-process"` | the `DeviceBody` itself: the receiver gets the same memory |
-//! | `tcp://`, `tls://`, `shm://`, `rdma://` | `"staged"` | the body is copied to pinned host buffers in chunks, each chunk sent while the next is copied |
+//! | `shm://`, to a receiver that lands bodies on a device | `"cuda-ipc"` | a handle: the receiver maps the sender's memory (`cuIpcOpenMemHandle`), which stays allocated until the receiver drops the body |
+//! | `tcp://`, `tls://`, `rdma://`; `shm://` otherwise | `"staged"` | the body is copied to pinned host buffers in chunks, each chunk sent while the next is copied |
 //!
 //! A staged body is announced by a frame with [`Flags::DEVICE`](crate::Flags::DEVICE) and sent
 //! in chunks of [`Staging::chunk`] bytes from a pool of [`Staging::buffers`] pinned buffers
@@ -17,8 +18,18 @@
 //! names a `Gpu`, into one host buffer otherwise, so a handler gets a device body back
 //! without staging by hand.
 //!
-//! Not here yet: CUDA IPC between processes on `shm://` (the body would not leave the GPU)
-//! and GPUDirect RDMA; both are staged today, and `device_path` says so.
+//! On `shm://`, a body is lent over CUDA IPC when the receiving end lands bodies on a device
+//! of the same kind; the sender keeps a reference to it (at most 256 per direction) until
+//! the receiver has dropped the body and closed its mapping, or its process is gone. It is
+//! staged instead — and a log line says why, once per channel — when the receiver lands in
+//! host memory, holds 256 lent bodies already, is the same process (CUDA does not open its
+//! own handles there: use `inproc://`), or the memory cannot be exported (memory of a
+//! stream-ordered pool, as cudarc's `alloc_zeros` may give: use [`Gpu::alloc`] /
+//! [`Gpu::upload`], which allocate with `cuMemAlloc`). A receiver that switches to host
+//! memory after a body was lent gets a copy. A handle is opened per body (UCX caches them;
+//! not done yet).
+//!
+//! Not here yet: GPUDirect RDMA; bodies are staged on `rdma://`, and `device_path` says so.
 //!
 //! # Without a GPU
 //! libcuda is loaded when first needed: a program built with the feature starts and runs on a
@@ -33,7 +44,7 @@ mod stand_in;
 
 use std::any::Any;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::task::{Context, Poll};
 
@@ -153,6 +164,13 @@ impl Gpu {
         Ok(body)
     }
 
+    /// Blocks of device memory of this device alive in this process: allocated, wrapped or
+    /// mapped from a peer (`shm://`'s CUDA IPC), and not yet freed or unmapped. A body sent
+    /// over CUDA IPC stays allocated on the sending side until the receiver drops it.
+    pub fn live_blocks(&self) -> usize {
+        self.inner.backend.live()
+    }
+
     /// Staging buffers this `Gpu` has allocated, and how many of them are in use now.
     pub fn staging_in_use(&self) -> (usize, usize) {
         self.inner.pool.counts()
@@ -242,6 +260,41 @@ impl fmt::Debug for DeviceBody {
     }
 }
 
+/// What another process needs to map device memory of this one (CUDA IPC): which kind of
+/// device, an opaque handle to the allocation, and where the body lies in it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(feature = "shm"), allow(dead_code))] // only shm:// lends device memory
+pub(crate) struct IpcHandle {
+    /// [`IPC_STAND_IN`] or [`IPC_CUDA`].
+    pub(crate) kind: u8,
+    /// `cuIpcGetMemHandle`'s 64 bytes, or the stand-in's own.
+    pub(crate) handle: [u8; 64],
+    /// The body's offset in the allocation the handle maps.
+    pub(crate) offset: u64,
+    /// The body's length.
+    pub(crate) len: u64,
+}
+
+/// Held by memory mapped from another process, dropped after it is unmapped.
+pub(crate) type Keep = Box<dyn Any + Send + Sync>;
+
+/// A device body over memory another process lent (`shm://`'s CUDA IPC), mapped on `gpu`;
+/// `keep` is dropped once the mapping is closed.
+#[cfg(feature = "shm")]
+pub(crate) fn import(gpu: &Gpu, handle: &IpcHandle, keep: Keep) -> Result<DeviceBody> {
+    Ok(DeviceBody {
+        mem: gpu.backend().import(handle, keep)?,
+        gpu: gpu.clone(),
+    })
+}
+
+/// [`IpcHandle::kind`] of the stand-in device.
+#[cfg_attr(not(feature = "shm"), allow(dead_code))]
+pub(crate) const IPC_STAND_IN: u8 = 1;
+/// [`IpcHandle::kind`] of CUDA devices.
+#[cfg_attr(not(feature = "shm"), allow(dead_code))]
+pub(crate) const IPC_CUDA: u8 = 2;
+
 /// Device memory of one backend.
 pub(crate) trait Mem: Send + Sync + 'static {
     fn len(&self) -> usize;
@@ -258,6 +311,7 @@ pub(crate) trait HostMem: Send + Sync + 'static {
 
 /// What a device does for the channel: allocate, and copy in both directions.
 pub(crate) trait Backend: Send + Sync + 'static {
+    fn as_any(&self) -> &dyn Any;
     fn location(&self) -> Location;
     fn describe(&self) -> String;
     fn alloc(&self, len: usize) -> Result<Arc<dyn Mem>>;
@@ -282,6 +336,40 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// Waits until the copies into `dst` are complete.
     fn finish_copy_in(&self, dst: &dyn Mem) -> Result<()>;
 
+    /// The [`IpcHandle::kind`] of the handles this device exports and opens; 0 when it
+    /// does neither.
+    #[cfg_attr(not(feature = "shm"), allow(dead_code))]
+    fn ipc_kind(&self) -> u8 {
+        0
+    }
+
+    /// A handle another process opens with [`import`](Backend::import) to map `mem`. The
+    /// caller keeps `mem` alive until that process has closed it.
+    #[cfg_attr(not(feature = "shm"), allow(dead_code))]
+    fn export(&self, _mem: &Arc<dyn Mem>) -> Result<IpcHandle> {
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            format!(
+                "{} does not share memory between processes",
+                self.describe()
+            ),
+        ))
+    }
+
+    /// Maps memory another process exported; unmapped when the returned memory drops, and
+    /// `keep` dropped after that (whatever tells the exporter it may free the memory).
+    #[cfg_attr(not(feature = "shm"), allow(dead_code))]
+    fn import(&self, _handle: &IpcHandle, _keep: Keep) -> Result<Arc<dyn Mem>> {
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            format!("{} does not map memory of other processes", self.describe()),
+        ))
+    }
+
+    /// Device memory of this device alive in this process: allocated, wrapped or mapped
+    /// from a peer, and not yet freed or unmapped.
+    fn live(&self) -> usize;
+
     /// Copies all of `src` to `out` and waits.
     fn copy_out_blocking(&self, src: &Arc<dyn Mem>, out: &mut [u8]) -> Result<()> {
         if out.is_empty() {
@@ -292,6 +380,30 @@ pub(crate) trait Backend: Send + Sync + 'static {
         // `done` completes: `wait` below blocks until then.
         unsafe { self.start_copy_out(src, 0, out.as_mut_ptr(), out.len(), done.clone())? };
         done.wait()
+    }
+}
+
+/// How many blocks of device memory a backend has alive; each block holds a [`LiveGuard`].
+#[derive(Clone, Default)]
+pub(crate) struct Live(Arc<AtomicUsize>);
+
+impl Live {
+    pub(crate) fn count(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn guard(&self) -> LiveGuard {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        LiveGuard(self.0.clone())
+    }
+}
+
+/// One live block, counted until it drops.
+pub(crate) struct LiveGuard(Arc<AtomicUsize>);
+
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -1,25 +1,89 @@
 //! Host memory handled as a device, with a copy engine of its own (a thread), so the device
 //! paths run — and are tested — without a GPU.
+//!
+//! Its memory is shared with other processes the way CUDA IPC shares device memory (with
+//! `shm`): [`export`](Backend::export) moves a block into a memfd and hands out a 64-byte
+//! handle naming it (`/proc/<pid>/fd/<fd>`, checked by inode), which another process of the
+//! same user maps with [`import`](Backend::import). As with CUDA, the exporter keeps the
+//! block alive for as long as the importer uses it, and neither side reads the other's
+//! writes except through copies.
 
 use std::any::Any;
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use super::{Backend, Done, HostMem, Mem, check_range};
+use super::{Backend, Done, HostMem, Keep, Live, LiveGuard, Mem, check_range};
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::Location;
 
 pub(super) struct StandIn {
     engine: OnceLock<mpsc::Sender<Job>>,
+    live: Live,
 }
 
 struct Memory {
-    bytes: Mutex<Box<[u8]>>,
+    store: Mutex<Store>,
+    /// The body: `len` bytes at `offset` of the store.
+    offset: usize,
+    len: usize,
+    _live: LiveGuard,
+    /// Dropped after `store` (fields drop in order): after the memory is unmapped.
+    _keep: Option<Keep>,
+}
+
+/// Where a block's bytes are.
+enum Store {
+    Heap(Box<[u8]>),
+    /// In a memfd, mapped: exported, or imported from another process.
+    #[cfg(feature = "shm")]
+    Shared(ipc::Shared),
+}
+
+impl Store {
+    /// The first byte of the allocation.
+    fn base(&mut self) -> *mut u8 {
+        match self {
+            Store::Heap(b) => b.as_mut_ptr(),
+            #[cfg(feature = "shm")]
+            Store::Shared(s) => s.base(),
+        }
+    }
+}
+
+impl Memory {
+    fn lock(&self) -> MutexGuard<'_, Store> {
+        self.store.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Copies `len` bytes at `offset` of the body to `dst`.
+    ///
+    /// # Safety
+    /// `dst` is valid for writes of `len` bytes; the range was checked against the body.
+    unsafe fn read(&self, offset: usize, dst: *mut u8, len: usize) {
+        let mut store = self.lock();
+        // SAFETY: the store holds `self.offset + self.len` bytes and the caller checked the
+        // range; device memory shared with another process is only ever copied, as on a
+        // GPU (a peer writing a body it has sent is that application's race, not ours).
+        unsafe { std::ptr::copy_nonoverlapping(store.base().add(self.offset + offset), dst, len) };
+    }
+
+    /// Copies `src` to `offset` of the body (the range checked by the caller).
+    fn write(&self, offset: usize, src: &[u8]) {
+        let mut store = self.lock();
+        // SAFETY: as in `read`; the range was checked against the body.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                store.base().add(self.offset + offset),
+                src.len(),
+            )
+        };
+    }
 }
 
 impl Mem for Memory {
     fn len(&self) -> usize {
-        self.bytes.lock().expect("not poisoned").len()
+        self.len
     }
     fn as_any(&self) -> &dyn Any {
         self
@@ -44,6 +108,7 @@ impl StandIn {
     pub(super) fn new() -> StandIn {
         StandIn {
             engine: OnceLock::new(),
+            live: Live::default(),
         }
     }
 
@@ -60,18 +125,10 @@ impl StandIn {
                             .as_any()
                             .downcast_ref::<Memory>()
                             .expect("own memory");
-                        let bytes = src.bytes.lock().expect("not poisoned");
                         // SAFETY: `start_copy_out`'s contract: `dst` is valid for `len` bytes
                         // and untouched until `done` completes; the range of `src` was checked
                         // when the job was queued.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                bytes[job.offset..job.offset + job.len].as_ptr(),
-                                job.dst.0,
-                                job.len,
-                            )
-                        };
-                        drop(bytes);
+                        unsafe { src.read(job.offset, job.dst.0, job.len) };
                         job.done.complete(None);
                     }
                 });
@@ -94,6 +151,10 @@ fn mine(mem: &dyn Mem) -> Result<&Memory> {
 }
 
 impl Backend for StandIn {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
     fn location(&self) -> Location {
         Location::StandIn
     }
@@ -104,7 +165,51 @@ impl Backend for StandIn {
 
     fn alloc(&self, len: usize) -> Result<Arc<dyn Mem>> {
         Ok(Arc::new(Memory {
-            bytes: Mutex::new(vec![0u8; len].into_boxed_slice()),
+            store: Mutex::new(Store::Heap(vec![0u8; len].into_boxed_slice())),
+            offset: 0,
+            len,
+            _live: self.live.guard(),
+            _keep: None,
+        }))
+    }
+
+    fn live(&self) -> usize {
+        self.live.count()
+    }
+
+    #[cfg(feature = "shm")]
+    fn ipc_kind(&self) -> u8 {
+        super::IPC_STAND_IN
+    }
+
+    #[cfg(feature = "shm")]
+    fn export(&self, mem: &Arc<dyn Mem>) -> Result<super::IpcHandle> {
+        let m = mine(&**mem)?;
+        let mut store = m.lock();
+        if let Store::Heap(bytes) = &*store {
+            let shared = ipc::Shared::create(bytes)?;
+            *store = Store::Shared(shared);
+        }
+        let Store::Shared(shared) = &*store else {
+            unreachable!("moved to a memfd above")
+        };
+        Ok(super::IpcHandle {
+            kind: super::IPC_STAND_IN,
+            handle: shared.handle()?,
+            offset: m.offset as u64,
+            len: m.len as u64,
+        })
+    }
+
+    #[cfg(feature = "shm")]
+    fn import(&self, h: &super::IpcHandle, keep: Keep) -> Result<Arc<dyn Mem>> {
+        let shared = ipc::Shared::open(h)?;
+        Ok(Arc::new(Memory {
+            store: Mutex::new(Store::Shared(shared)),
+            offset: h.offset as usize, // within the mapping: `open` checked
+            len: h.len as usize,
+            _live: self.live.guard(),
+            _keep: Some(keep),
         }))
     }
 
@@ -139,9 +244,8 @@ impl Backend for StandIn {
 
     fn copy_in(&self, dst: &dyn Mem, offset: usize, src: &[u8]) -> Result<()> {
         let dst = mine(dst)?;
-        let mut bytes = dst.bytes.lock().expect("not poisoned");
-        check_range(offset, src.len(), bytes.len())?;
-        bytes[offset..offset + src.len()].copy_from_slice(src);
+        check_range(offset, src.len(), dst.len)?;
+        dst.write(offset, src);
         Ok(())
     }
 
@@ -185,5 +289,154 @@ impl Drop for Host {
     fn drop(&mut self) {
         // SAFETY: `ptr` came from `Box::into_raw` of a `[u8]` of `len` bytes and is freed once.
         drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
+    }
+}
+
+/// Stand-in memory in a memfd, the way another process reaches it.
+#[cfg(feature = "shm")]
+mod ipc {
+    use std::os::fd::{AsRawFd, OwnedFd};
+    use std::ptr::NonNull;
+
+    use rustix::fs::{MemfdFlags, Mode, OFlags};
+    use rustix::mm::{MapFlags, ProtFlags};
+
+    use crate::device::{IPC_STAND_IN, IpcHandle};
+    use crate::error::{Error, ErrorKind, Result};
+
+    /// A memfd mapped shared, read and write, unmapped on drop.
+    pub(super) struct Shared {
+        /// The exporter's memfd, named by its handle; an importer needs only the mapping.
+        fd: Option<OwnedFd>,
+        ptr: NonNull<u8>,
+        len: usize,
+    }
+
+    // SAFETY: the mapping is owned (unmapped once, in `Drop`) and only reached through raw
+    // copies made under `Memory`'s lock.
+    unsafe impl Send for Shared {}
+    // SAFETY: as above.
+    unsafe impl Sync for Shared {}
+
+    fn io(what: &str) -> impl Fn(rustix::io::Errno) -> Error + '_ {
+        move |e| Error::io(format!("stand-in device: {what}"), e.into())
+    }
+
+    impl Shared {
+        /// A memfd holding a copy of `bytes`.
+        pub(super) fn create(bytes: &[u8]) -> Result<Shared> {
+            let fd = rustix::fs::memfd_create("hyperframes-stand-in", MemfdFlags::CLOEXEC)
+                .map_err(io("creating a memfd"))?;
+            rustix::fs::ftruncate(&fd, bytes.len() as u64).map_err(io("sizing a memfd"))?;
+            let shared = Shared::map(fd, bytes.len())?;
+            // SAFETY: a fresh private mapping of `bytes.len()` bytes nobody else has yet.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), shared.base(), bytes.len()) };
+            Ok(shared)
+        }
+
+        fn map(fd: OwnedFd, len: usize) -> Result<Shared> {
+            let ptr = if len == 0 {
+                NonNull::dangling()
+            } else {
+                // SAFETY: a new mapping at an address the kernel picks aliases nothing; `len`
+                // is the file's size (set or checked by the callers).
+                let p = unsafe {
+                    rustix::mm::mmap(
+                        std::ptr::null_mut(),
+                        len,
+                        ProtFlags::READ | ProtFlags::WRITE,
+                        MapFlags::SHARED,
+                        &fd,
+                        0,
+                    )
+                }
+                .map_err(io("mapping a memfd"))?;
+                NonNull::new(p.cast::<u8>()).expect("mmap does not return null")
+            };
+            Ok(Shared {
+                fd: Some(fd),
+                ptr,
+                len,
+            })
+        }
+
+        pub(super) fn base(&self) -> *mut u8 {
+            self.ptr.as_ptr()
+        }
+
+        /// pid, descriptor, device and inode of the memfd, and its size.
+        pub(super) fn handle(&self) -> Result<[u8; 64]> {
+            // Like CUDA, which does not export memory it mapped from another process.
+            let fd = self.fd.as_ref().ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Unavailable,
+                    "stand-in device: memory mapped from another process is not lent on",
+                )
+            })?;
+            let st = rustix::fs::fstat(fd).map_err(io("inspecting a memfd"))?;
+            let mut h = [0u8; 64];
+            h[..4].copy_from_slice(
+                &rustix::process::getpid()
+                    .as_raw_nonzero()
+                    .get()
+                    .to_ne_bytes(),
+            );
+            h[4..8].copy_from_slice(&fd.as_raw_fd().to_ne_bytes());
+            h[8..16].copy_from_slice(&st.st_dev.to_ne_bytes());
+            h[16..24].copy_from_slice(&st.st_ino.to_ne_bytes());
+            h[24..32].copy_from_slice(&(self.len as u64).to_ne_bytes());
+            Ok(h)
+        }
+
+        /// Maps the memfd a handle names, checking it is that file and holds the body.
+        pub(super) fn open(h: &IpcHandle) -> Result<Shared> {
+            let word = |at: usize| u64::from_ne_bytes(h.handle[at..at + 8].try_into().expect("8"));
+            let pid = u32::from_ne_bytes(h.handle[..4].try_into().expect("4"));
+            let fd = i32::from_ne_bytes(h.handle[4..8].try_into().expect("4"));
+            let (dev, ino, size) = (word(8), word(16), word(24));
+            if h.kind != IPC_STAND_IN
+                || h.offset.checked_add(h.len).is_none_or(|end| end > size)
+                || usize::try_from(size).is_err()
+            {
+                return Err(Error::new(
+                    ErrorKind::Protocol,
+                    format!("a stand-in device handle that does not add up: {h:?}"),
+                ));
+            }
+            let path = format!("/proc/{pid}/fd/{fd}");
+            let file =
+                rustix::fs::open(path.as_str(), OFlags::RDWR | OFlags::CLOEXEC, Mode::empty())
+                    .map_err(|e| {
+                        Error::new(
+                            ErrorKind::Unavailable,
+                            format!(
+                                "stand-in device: cannot open the peer's memory at {path} (has it \
+                             exited?)"
+                            ),
+                        )
+                        .with_source(std::io::Error::from(e))
+                    })?;
+            let st = rustix::fs::fstat(&file).map_err(io("inspecting a peer's memfd"))?;
+            if st.st_dev != dev || st.st_ino != ino || st.st_size as u64 != size {
+                return Err(Error::new(
+                    ErrorKind::Protocol,
+                    format!("stand-in device: {path} is not the memory the handle names"),
+                ));
+            }
+            let mut shared = Shared::map(file, size as usize)?;
+            // The mapping holds the memory: no descriptor kept per lent body.
+            shared.fd = None;
+            Ok(shared)
+        }
+    }
+
+    impl Drop for Shared {
+        fn drop(&mut self) {
+            if self.len > 0 {
+                // SAFETY: mapped by `map` with this length, unmapped once; nothing points
+                // into it any more (the `Memory` that owns it is being dropped).
+                let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+            }
+        }
     }
 }
