@@ -115,6 +115,10 @@ pub fn shm_descriptor(data: &[u8]) {
             len
         }
         Part::External { len, .. } => len,
+        Part::Device { slot, len } => {
+            assert!(slot < crate::transport::shm::desc::DEVICE_SLOTS);
+            len
+        }
     };
     let head = check(layout.head);
     let type_len = layout.type_len as u64;

@@ -123,10 +123,11 @@ async fn round_trip(scheme: &str, land: bool) {
     assert_eq!(got[3].body().as_bytes().unwrap(), "host too");
     assert_eq!(
         _a.info().device_path(),
-        if scheme == "inproc" {
-            "in-process"
-        } else {
-            "staged"
+        match (scheme, land) {
+            ("inproc", _) => "in-process",
+            // The receiver maps the sender's memory (the stand-in's memfds; CUDA IPC on a GPU).
+            ("shm", true) => "cuda-ipc",
+            _ => "staged",
         }
     );
     // Every staging buffer went back to the pool; never more than configured were made.
@@ -146,9 +147,233 @@ async fn tcp_lands_in_device_memory() {
 }
 
 #[tokio::test]
-async fn shm_staged_both_landings() {
+async fn shm_staged_to_host_lent_to_a_device() {
     round_trip("shm", false).await;
     round_trip("shm", true).await;
+}
+
+/// Waits (at most `GUARD`) until `done` holds: what another task or process releases.
+async fn settle(what: &str, mut done: impl FnMut() -> bool) {
+    let until = tokio::time::Instant::now() + GUARD;
+    while !done() {
+        assert!(tokio::time::Instant::now() < until, "never settled: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn shm_ctx() -> Context {
+    Context::builder()
+        .shm_segment(256, 4 << 20)
+        .build()
+        .unwrap()
+}
+
+/// `shm://` to a receiver that lands on a device: bodies are lent (CUDA IPC on a GPU; the
+/// stand-in's memfds here), never staged, and the sender's memory stays allocated until the
+/// receiver drops what it mapped, and no longer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_lends_device_memory_until_the_receiver_drops_it() {
+    let (ours, theirs) = (Gpu::stand_in(), Gpu::stand_in());
+    let (mut a, mut b) = pair(&shm_ctx(), "shm").await;
+    b.halves_mut().1.land_on(Some(theirs.clone()));
+    let mut got = Vec::new();
+    // The last is larger than the arena: lending does not care.
+    for (i, len) in [1usize, 4097, (5 << 20) + 5].into_iter().enumerate() {
+        let bytes = pattern(len, i as u8);
+        let m = Message::new("l.dev")
+            .unwrap()
+            .with_meta("i", i as u64)
+            .unwrap()
+            .with_body(ours.upload(&bytes).unwrap());
+        timeout(GUARD, a.send(m)).await.unwrap().unwrap();
+        let m = timeout(GUARD, b.recv()).await.unwrap().unwrap().unwrap();
+        assert_eq!(m.meta().get("i"), Some(i.to_string().as_str()));
+        assert_eq!(m.body().location(), Location::StandIn);
+        assert_eq!(m.body().as_device().unwrap().to_host().unwrap(), bytes);
+        got.push(m);
+    }
+    assert_eq!(a.info().device_path(), "cuda-ipc");
+    assert_eq!(ours.staging_in_use(), (0, 0), "nothing was staged");
+    assert_eq!(
+        ours.live_blocks(),
+        3,
+        "the sender keeps what the receiver maps"
+    );
+    assert_eq!(theirs.live_blocks(), 3);
+    got.remove(1);
+    settle("one released", || ours.live_blocks() == 2).await;
+    assert_eq!(theirs.live_blocks(), 2);
+    got.clear();
+    settle("all released", || ours.live_blocks() == 0).await;
+    assert_eq!(theirs.live_blocks(), 0);
+}
+
+/// A body lent while the receiver landed on a device, received after it switched to host
+/// memory: copied to the host and given back. The next body is staged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_lent_body_follows_a_change_of_landing() {
+    let (ours, theirs) = (Gpu::stand_in(), Gpu::stand_in());
+    let (mut a, mut b) = pair(&shm_ctx(), "shm").await;
+    b.halves_mut().1.land_on(Some(theirs.clone()));
+    let bytes = pattern(70_000, 1);
+    let body = Message::new("c.dev")
+        .unwrap()
+        .with_body(ours.upload(&bytes).unwrap());
+    timeout(GUARD, a.send(body)).await.unwrap().unwrap();
+    assert_eq!(a.info().device_path(), "cuda-ipc");
+    b.halves_mut().1.land_on(None);
+    let m = timeout(GUARD, b.recv()).await.unwrap().unwrap().unwrap();
+    assert_eq!(m.body().as_bytes().unwrap(), &bytes[..]);
+    settle("the copied body given back", || ours.live_blocks() == 0).await;
+    let again = Message::new("c.dev")
+        .unwrap()
+        .with_body(ours.upload(&bytes).unwrap());
+    timeout(GUARD, a.send(again)).await.unwrap().unwrap();
+    assert_eq!(a.info().device_path(), "staged");
+    let m = timeout(GUARD, b.recv()).await.unwrap().unwrap().unwrap();
+    assert_eq!(m.body().as_bytes().unwrap(), &bytes[..]);
+}
+
+/// A receiver that holds every slot of the device table: further bodies are staged (never a
+/// wait that only the receiver could end), and lending resumes once it lets go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_stages_while_the_receiver_holds_every_lent_body() {
+    const SLOTS: usize = 256;
+    let (ours, theirs) = (Gpu::stand_in(), Gpu::stand_in());
+    let (a, b) = pair(&shm_ctx(), "shm").await;
+    let (mut tx, _rx_a) = a.split();
+    let (_tx_b, mut rx) = b.split();
+    rx.land_on(Some(theirs.clone()));
+    let n = SLOTS + 4;
+    let g = ours.clone();
+    let send = tokio::spawn(async move {
+        for i in 0..n {
+            let m = Message::new("f.dev")
+                .unwrap()
+                .with_body(g.upload(&pattern(64, i as u8)).unwrap());
+            tx.send(m).await.unwrap();
+        }
+        tx
+    });
+    let mut held = Vec::new();
+    for i in 0..n {
+        let m = timeout(GUARD, rx.recv()).await.unwrap().unwrap().unwrap();
+        assert_eq!(
+            m.body().as_device().unwrap().to_host().unwrap(),
+            pattern(64, i as u8)
+        );
+        held.push(m);
+    }
+    let mut tx = send.await.unwrap();
+    assert_eq!(tx.info().device_path(), "staged");
+    assert_eq!(ours.live_blocks(), SLOTS, "the lent ones, kept");
+    assert!(ours.staging_in_use().0 > 0, "the rest were staged");
+    held.clear();
+    settle("all released", || ours.live_blocks() == 0).await;
+    let m = Message::new("f.dev")
+        .unwrap()
+        .with_body(ours.upload(b"lent again").unwrap());
+    timeout(GUARD, tx.send(m)).await.unwrap().unwrap();
+    assert_eq!(tx.info().device_path(), "cuda-ipc");
+    let m = timeout(GUARD, rx.recv()).await.unwrap().unwrap().unwrap();
+    assert_eq!(
+        m.body().as_device().unwrap().to_host().unwrap(),
+        &b"lent again"[..]
+    );
+}
+
+const CHILD_LEN: usize = 3 << 20;
+
+/// The peer of `a_peer_that_dies_holding_lent_memory_releases_it`: lands on a stand-in
+/// device, says so, takes one lent body, checks it, and holds it until killed.
+#[test]
+fn ipc_child() {
+    let Ok(url) = std::env::var("HF_DEVICE_IPC_CHILD") else {
+        return;
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let gpu = match std::env::var("HF_DEVICE_IPC_GPU").as_deref() {
+            Ok("cuda") => Gpu::cuda(0).unwrap(),
+            _ => Gpu::stand_in(),
+        };
+        let ctx = Context::builder().land_on(gpu.clone()).build().unwrap();
+        let mut ch = ctx.connect(&url).await.unwrap();
+        ch.send(Message::new("landed").unwrap()).await.unwrap();
+        let m = ch.recv().await.unwrap().unwrap();
+        let ok = m.body().location() == gpu.location()
+            && m.body().as_device().unwrap().to_host().unwrap() == pattern(CHILD_LEN, 5);
+        println!("HELD {ok} {}", gpu.live_blocks());
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        drop(m);
+    });
+}
+
+/// The receiving process dies while it maps a lent body: the sender lets the memory go
+/// (its socket's end is the process's end), without waiting for its own channel to close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_dies_holding_lent_memory_releases_it() {
+    lent_to_a_process_that_dies(Gpu::stand_in(), "stand-in").await;
+}
+
+/// The same with CUDA IPC between two processes on one GPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a GPU"]
+async fn gpu_shm_ipc_between_processes() {
+    lent_to_a_process_that_dies(Gpu::cuda(0).expect("a CUDA device"), "cuda").await;
+}
+
+async fn lent_to_a_process_that_dies(gpu: Gpu, kind: &str) {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    let url = format!("shm://ipc-{}", std::process::id());
+    let mut l = Context::new().bind(&url).await.unwrap();
+    /// Kills the child when the test fails before it does.
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Reap(
+        Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "ipc_child", "--nocapture", "--test-threads=1"])
+            .env("HF_DEVICE_IPC_CHILD", &url)
+            .env("HF_DEVICE_IPC_GPU", kind)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut ch = timeout(GUARD, l.accept()).await.unwrap().unwrap();
+    let landed = timeout(GUARD, ch.recv()).await.unwrap().unwrap().unwrap();
+    assert_eq!(landed.kind().as_str(), "landed");
+    let body = gpu.upload(&pattern(CHILD_LEN, 5)).unwrap();
+    timeout(GUARD, ch.send(Message::new("ipc").unwrap().with_body(body)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(ch.info().device_path(), "cuda-ipc");
+    let stdout = child.0.stdout.take().unwrap();
+    let line = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map(|l| l.unwrap())
+            // After libtest's "test ipc_child ... ".
+            .find_map(|l| l.split_once("HELD ").map(|(_, r)| r.to_owned()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(line.as_deref(), Some("true 1"), "the child mapped it");
+    assert_eq!(gpu.live_blocks(), 1, "kept while the child maps it");
+    drop(child);
+    settle("released at the peer's death", || gpu.live_blocks() == 0).await;
+    let r = timeout(GUARD, ch.recv()).await.unwrap();
+    assert!(
+        matches!(&r, Some(Err(e)) if e.kind() == ErrorKind::ConnectionLost),
+        "{r:?}"
+    );
 }
 
 #[tokio::test]
@@ -390,6 +615,7 @@ async fn gpu_tcp_staged() {
     gpu_round_trip("tcp").await;
 }
 
+/// Within one process CUDA does not open its own IPC handles: staged, and said so.
 #[tokio::test]
 #[ignore = "needs a GPU"]
 async fn gpu_shm_staged() {

@@ -119,8 +119,13 @@ impl Raw {
         let ring_entries = raw.u32_at(24) as u64;
         raw.arena_len = raw.u64_at(40);
         raw.dir = [raw.u64_at(48), raw.u64_at(56)];
-        // Control block (a page), then the slots, then the arena at the next page.
-        raw.arena_offset = (4096 + ring_entries * 128).next_multiple_of(4096);
+        raw.arena_offset = if raw.u32_at(8) >= 5 {
+            // The control area holds the device table too: read where the arena is.
+            raw.u64_at(72)
+        } else {
+            // Control block (a page), then the slots, then the arena at the next page.
+            (4096 + ring_entries * 128).next_multiple_of(4096)
+        };
         raw
     }
 

@@ -42,6 +42,10 @@ pub struct ChannelInfo {
     /// What the Sender and the Receiver counted, each on a cache line of its own.
     sent: CachePadded<Tally>,
     received: CachePadded<Tally>,
+    /// The path the last device body sent took (`DEVICE_PATHS`); 0 before the first (and
+    /// on channels that hand bodies over as they are).
+    #[cfg(feature = "cuda")]
+    device_path: std::sync::atomic::AtomicU8,
     _open: crate::metrics::Held,
     _keepalive: Option<Arc<dyn Any + Send + Sync>>,
 }
@@ -62,6 +66,10 @@ pub struct ChannelStats {
     /// Their body bytes.
     pub received_bytes: u64,
 }
+
+/// Names of the paths of device bodies, by the number `ChannelInfo::device_path` holds.
+#[cfg(feature = "cuda")]
+const DEVICE_PATHS: [&str; 4] = ["", "in-process", "staged", "cuda-ipc"];
 
 /// A message count and a byte count written by one half only (a load and a store, no
 /// read-modify-write on the hot path), read by anyone.
@@ -100,15 +108,26 @@ impl ChannelInfo {
         self.transport
     }
 
-    /// How a body in device memory travels on this channel: `"in-process"` (`inproc://`:
-    /// the receiver gets the sender's device memory itself) or `"staged"` (copied to host
-    /// buffers in chunks, each chunk sent while the next is copied). See [`crate::device`].
+    /// How the last body in device memory sent on this channel travelled: `"in-process"`
+    /// (`inproc://`: the receiver gets the sender's device memory itself), `"cuda-ipc"`
+    /// (`shm://` to a receiver that lands bodies on a device: it maps the sender's memory,
+    /// which stays allocated until the receiver drops the body), or `"staged"` (copied to
+    /// host buffers in chunks, each chunk sent while the next is copied). Before the first,
+    /// the usual path of the transport: `"in-process"` on `inproc://`, `"staged"` elsewhere.
+    /// See [`crate::device`].
     #[cfg(feature = "cuda")]
     pub fn device_path(&self) -> &'static str {
-        if self.transport == "inproc" {
-            "in-process"
-        } else {
-            "staged"
+        match self.device_path.load(Ordering::Relaxed) {
+            0 if self.transport == "inproc" => DEVICE_PATHS[1],
+            0 => DEVICE_PATHS[2],
+            i => DEVICE_PATHS[usize::from(i)],
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn set_device_path(&self, path: Option<u8>) {
+        if let Some(p) = path {
+            self.device_path.store(p, Ordering::Relaxed);
         }
     }
 
@@ -286,9 +305,15 @@ impl Channel {
             span,
             sent: CachePadded::default(),
             received: CachePadded::default(),
+            #[cfg(feature = "cuda")]
+            device_path: Default::default(),
             _open: crate::metrics::Held::channel(parts.transport),
             _keepalive: parts.keepalive,
         });
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut rx = parts.rx;
+        #[cfg(feature = "cuda")]
+        rx.land_on(parts.setup.landing.as_ref());
         Channel {
             tx: Sender {
                 half: parts.tx,
@@ -297,7 +322,7 @@ impl Channel {
                 stage: device::Stage::new(&parts.setup),
             },
             rx: Receiver {
-                half: parts.rx,
+                half: rx,
                 info,
                 asm: device::Assembler::new(&parts.setup),
                 unbudgeted: 0,
@@ -384,10 +409,20 @@ impl Sender {
         }
         let bytes = msg.body().len() as u64;
         #[cfg(feature = "cuda")]
-        if self.stage.wants(&msg) {
-            self.stage.start(&mut *self.half, msg, &self.info.peer)?;
-            self.info.sent.add(1, bytes);
-            return Ok(());
+        if let Some(device) = msg.body().as_device()
+            && self.stage.wants(&msg)
+        {
+            // The path is told for bodies with something in them.
+            let path = |p| (!device.is_empty()).then_some(p);
+            if self.half.takes_device(device) {
+                // Lent: the half takes it as it is.
+                self.info.set_device_path(path(3));
+            } else {
+                self.info.set_device_path(path(2));
+                self.stage.start(&mut *self.half, msg, &self.info.peer)?;
+                self.info.sent.add(1, bytes);
+                return Ok(());
+            }
         }
         self.half.start_send(msg)?;
         self.info.sent.add(1, bytes);
@@ -702,6 +737,7 @@ impl Receiver {
     /// are.
     #[cfg(feature = "cuda")]
     pub fn land_on(&mut self, gpu: Option<crate::device::Gpu>) {
+        self.half.land_on(gpu.as_ref());
         self.asm.landing = gpu;
     }
 

@@ -313,12 +313,23 @@ pub(crate) trait SendHalf: Send + Sync + 'static {
     fn take_unacknowledged(&mut self) -> Option<Vec<Message>> {
         None
     }
+    /// True when the half sends `body` as it is, without the channel staging it: `shm://`
+    /// lends it over CUDA IPC when the receiver maps such memory. The next `start_send` of a
+    /// device body is that body.
+    #[cfg(feature = "cuda")]
+    fn takes_device(&mut self, _body: &crate::device::DeviceBody) -> bool {
+        false
+    }
 }
 
 /// The receiving direction of one connection. After `Ready(None)` or an error it keeps
 /// returning `Ready(None)`.
 pub(crate) trait RecvHalf: Send + Sync + 'static {
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message>>>;
+    /// Where bodies sent from device memory land (host memory when `None`), for a half that
+    /// receives them whole (`shm://`'s CUDA IPC).
+    #[cfg(feature = "cuda")]
+    fn land_on(&mut self, _gpu: Option<&crate::device::Gpu>) {}
 }
 
 /// A bound address handing out connections.

@@ -15,8 +15,8 @@
 //! word 1       kind: u8 | flags: u8 | type_len: u8 | place: u8 | meta_len: u32   (low byte first)
 //! word 2       correlation id
 //! word 3       body length in bytes
-//! word 4       body: arena offset of its block (BODY_IN_ARENA), or the sequence number of an
-//!              external body (BODY_EXTERNAL)
+//! word 4       body: arena offset of its block (BODY_IN_ARENA), the sequence number of an
+//!              external body (BODY_EXTERNAL), or the slot of a device body (BODY_DEVICE)
 //! word 5       head: arena offset of its block (HEAD_IN_ARENA)
 //! words 6..16  80 inline bytes: the type, then the metadata (unless HEAD_IN_ARENA), then a
 //!              small body (BODY_INLINE); inline byte i is byte i % 8 of word 6 + i / 8,
@@ -36,6 +36,7 @@
 //! | head inline, head + body ≤ 80 bytes | inline, after the head |
 //! | body allocated in this arena (`Sender::alloc`) | where it is: the receiver takes a reference |
 //! | body larger than the arena | a sealed memfd of its own, passed on the rendezvous socket |
+//! | body in device memory, the receiver maps it | a slot of the device table (see `device`) |
 //! | any other body | copied into an arena block |
 
 #![deny(unsafe_code)]
@@ -46,6 +47,7 @@ use crate::message::TypeCache;
 use crate::message::{Flags, Meta, MsgType};
 
 use super::arena::{self, BLOCK_ALIGN};
+pub(crate) use super::device::DEVICE_SLOTS;
 
 /// Words in a descriptor.
 pub(crate) const WORDS: usize = 16;
@@ -86,7 +88,10 @@ impl Desc {
     pub(crate) const BODY_EXTERNAL: u8 = 0b0100;
     /// The body follows the head in `inline`.
     pub(crate) const BODY_INLINE: u8 = 0b1000;
-    const BODY_BITS: u8 = Desc::BODY_IN_ARENA | Desc::BODY_EXTERNAL | Desc::BODY_INLINE;
+    /// The body is device memory lent in slot `body_at` of the device table.
+    pub(crate) const BODY_DEVICE: u8 = 0b1_0000;
+    const BODY_BITS: u8 =
+        Desc::BODY_IN_ARENA | Desc::BODY_EXTERNAL | Desc::BODY_INLINE | Desc::BODY_DEVICE;
     const ALL_BITS: u8 = Desc::HEAD_IN_ARENA | Desc::BODY_BITS;
 
     pub(crate) const fn zeroed() -> Desc {
@@ -301,6 +306,11 @@ pub(crate) enum Part {
         seq: u64,
         len: u64,
     },
+    /// Device memory lent in slot `slot` (below [`DEVICE_SLOTS`]) of the device table.
+    Device {
+        slot: usize,
+        len: u64,
+    },
 }
 
 /// A received descriptor, checked: every offset and length lies within what it points into
@@ -379,6 +389,10 @@ pub(crate) fn check_words(w: &[u64; WORDS], b: &Bounds) -> Result<Layout, Invali
         },
         (Desc::BODY_IN_ARENA, len) => block(b.arena_len, body_at, len, "body")?,
         (Desc::BODY_EXTERNAL, len) => Part::External { seq: body_at, len },
+        (Desc::BODY_DEVICE, len) => match usize::try_from(body_at) {
+            Ok(slot) if slot < DEVICE_SLOTS => Part::Device { slot, len },
+            _ => return Err(invalid(format!("device body in slot {body_at}"))),
+        },
         _ => return Err(invalid("inconsistent body placement")),
     };
     Ok(Layout {
@@ -446,7 +460,7 @@ mod tests {
         (
             prop::array::uniform16(any::<u64>()),
             // Bias some fields towards plausible values so that deep branches are reached.
-            (0u8..3, 0u8..5, 0u8..20, 0u8..16, 0u32..300),
+            (0u8..3, 0u8..5, 0u8..20, 0u8..32, 0u32..300),
             prop_oneof![any::<u64>(), 0u64..4096, Just(0u64)],
             prop_oneof![any::<u64>(), (0u64..(1 << 14)).prop_map(|x| x * 64)],
             prop_oneof![any::<u64>(), (0u64..(1 << 14)).prop_map(|x| x * 64)],
@@ -470,6 +484,7 @@ mod tests {
     fn within(p: Part, b: &Bounds) -> bool {
         match p {
             Part::Empty | Part::External { .. } => true,
+            Part::Device { slot, .. } => slot < DEVICE_SLOTS,
             Part::Inline { at, len } => at + len <= Desc::INLINE,
             Part::Block { block, len } => {
                 block.is_multiple_of(BLOCK_ALIGN)
@@ -530,7 +545,7 @@ mod tests {
                 let body_len = match l.body {
                     Part::Empty => 0,
                     Part::Inline { len, .. } => len as u64,
-                    Part::Block { len, .. } | Part::External { len, .. } => len,
+                    Part::Block { len, .. } | Part::External { len, .. } | Part::Device { len, .. } => len,
                 };
                 prop_assert_eq!(body_len, d.body_len);
                 if let Part::Inline { at, .. } = l.body {

@@ -34,6 +34,7 @@ mod arena;
 pub mod bench_support;
 mod conn;
 pub(crate) mod desc;
+mod device;
 mod rendezvous;
 pub(crate) mod ring;
 mod segment;
@@ -212,6 +213,7 @@ pub(crate) async fn connect(name: &str, cfg: &Config) -> Result<Parts> {
         limits: cfg.limits,
         live: Liveness::new(cfg, true, hello.heartbeat()),
         peer: peer.clone(),
+        peer_pid: cred.pid.as_raw_nonzero().get() as u32,
     })?;
     Ok(parts(sh, cfg, &url, hello.limits, peer))
 }
@@ -306,6 +308,7 @@ async fn accept(uds: tokio::net::UnixStream, cfg: &Config, url: &str) -> Result<
         limits: cfg.limits,
         live: Liveness::new(cfg, true, theirs.heartbeat()),
         peer: peer.clone(),
+        peer_pid: cred.pid.as_raw_nonzero().get() as u32,
     })?;
     Ok(parts(sh, cfg, url, theirs.limits, peer))
 }

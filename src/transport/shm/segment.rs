@@ -4,7 +4,8 @@
 //! ```text
 //! 0        SegmentHeader, one page: magic "HYPERSHM", version, sizes, and for each direction
 //!          the offsets of its control block, slots and arena (all u64/u32 native-endian)
-//! dir[d]   Control (head, sleep and close flags), rounded up to a page
+//! dir[d]   Control (head, sleep and close flags), then the DeviceTable (device bodies lent
+//!          to the peer, see `device`), rounded up to a page
 //! + slots  ring_entries × 128-byte descriptors (see `desc`)
 //! + arena  arena_len bytes, page aligned: blocks of a 64-byte header (reference count)
 //!          and the payload
@@ -31,12 +32,13 @@ use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 
 use super::arena::{BLOCK_ALIGN, BlockRefs};
+use super::device::DeviceTable;
 use super::ring::{Control, RingStore, Slot};
 use crate::error::{Error, ErrorKind};
 use crate::loom::sync::{AtomicU32, AtomicU64, Ordering};
 
 const MAGIC: [u8; 8] = *b"HYPERSHM";
-const VERSION: u32 = 4;
+const VERSION: u32 = 5;
 const PAGE: u64 = 4096;
 
 /// The segment header. Plain data written once by the creator before the segment is shared.
@@ -50,7 +52,8 @@ struct SegmentHeader {
     ring_entries: u32,
     desc_len: u32,
     control_len: u32,
-    _reserved: u32,
+    /// Size of a `DeviceTable`, which follows the control block at `table_offset`.
+    table_len: u32,
     arena_len: u64,
     /// Offset of each direction's control block.
     dir: [u64; 2],
@@ -67,8 +70,13 @@ pub(crate) struct Geometry {
 }
 
 impl Geometry {
+    /// Where a direction's device table is, after its control block.
+    fn table_offset() -> u64 {
+        (std::mem::size_of::<Control>() as u64).next_multiple_of(BLOCK_ALIGN)
+    }
+
     fn control_area() -> u64 {
-        (std::mem::size_of::<Control>() as u64).next_multiple_of(PAGE)
+        (Self::table_offset() + std::mem::size_of::<DeviceTable>() as u64).next_multiple_of(PAGE)
     }
 
     fn slots_len(&self) -> u64 {
@@ -221,7 +229,7 @@ impl Segment {
             ring_entries: geometry.ring_entries,
             desc_len: std::mem::size_of::<Slot>() as u32,
             control_len: std::mem::size_of::<Control>() as u32,
-            _reserved: 0,
+            table_len: std::mem::size_of::<DeviceTable>() as u32,
             arena_len: geometry.arena_len,
             dir: [geometry.dir_offset(0), geometry.dir_offset(1)],
             slots_offset: Geometry::control_area(),
@@ -271,6 +279,7 @@ impl Segment {
         if h.header_len as usize != std::mem::size_of::<SegmentHeader>()
             || h.desc_len as usize != std::mem::size_of::<Slot>()
             || h.control_len as usize != std::mem::size_of::<Control>()
+            || h.table_len as usize != std::mem::size_of::<DeviceTable>()
         {
             return Err(bad("its layout differs from this build's"));
         }
@@ -328,6 +337,23 @@ pub(crate) struct ShmRing {
     seg: Arc<Segment>,
     base: u64,
     mask: u64,
+}
+
+impl ShmRing {
+    /// The direction's device table.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn devices(&self) -> &DeviceTable {
+        // SAFETY: the table lies inside the direction's control area (validated geometry:
+        // `table_offset` + its size is within `control_area`), is aligned (64 bytes) and only
+        // accessed through its atomics; all-zero bytes are its initial state; the mapping
+        // lives as long as `self.seg`.
+        unsafe {
+            &*self
+                .seg
+                .map
+                .at::<DeviceTable>(self.base + Geometry::table_offset())
+        }
+    }
 }
 
 impl RingStore for ShmRing {

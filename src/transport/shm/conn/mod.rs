@@ -42,6 +42,8 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::message::Limits;
 use crate::transport::heartbeat::{Liveness, Tick};
 
+#[cfg(feature = "cuda")]
+mod lend;
 mod recv;
 mod send;
 
@@ -83,6 +85,14 @@ pub(crate) struct Shared {
     zero_copy: bool,
     max_body: u64,
     peer: String,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    peer_pid: u32,
+    /// Device bodies lent to the peer (CUDA IPC), by slot of our direction's device table.
+    #[cfg(feature = "cuda")]
+    lent: Mutex<lend::Lent>,
+    /// Told when the first body is lent: the watcher listens for releases from then on.
+    #[cfg(feature = "cuda")]
+    lending_changed: tokio::sync::Notify,
 }
 
 /// External bodies received: mapped, waiting for their descriptors.
@@ -110,6 +120,8 @@ pub(crate) struct Setup {
     /// Heartbeats, as both hellos settled them.
     pub(crate) live: Liveness,
     pub(crate) peer: String,
+    /// The peer process (its credentials on the socket).
+    pub(crate) peer_pid: u32,
 }
 
 /// Wakes the peer through our end of a wake pair: never blocks. A full queue means a wake-up
@@ -152,6 +164,11 @@ impl Shared {
             zero_copy: s.zero_copy,
             max_body: s.limits.max_body,
             peer: s.peer,
+            peer_pid: s.peer_pid,
+            #[cfg(feature = "cuda")]
+            lent: Mutex::default(),
+            #[cfg(feature = "cuda")]
+            lending_changed: tokio::sync::Notify::new(),
         });
         tokio::spawn(watch(sh.clone()));
         Ok(sh)
@@ -262,7 +279,9 @@ impl Shared {
 /// Reads the rendezvous socket: external bodies' memfds, and EOF (the peer process is gone).
 /// Beats our heartbeat counter in the segment and watches the peer's: a peer process that is
 /// alive but not running (stopped, deadlocked, its runtime blocked) keeps its socket open and
-/// its memory mapped, and is found only by its counter standing still.
+/// its memory mapped, and is found only by its counter standing still. While device bodies
+/// are lent (feature `cuda`) it also listens on the space socket, where the peer says it
+/// released one, and drops our reference to each released body.
 async fn watch(sh: Arc<Shared>) {
     let mut record = [0u8; ExtRecord::LEN];
     let mut got = 0;
@@ -270,9 +289,33 @@ async fn watch(sh: Arc<Shared>) {
     let mut tick = Tick::new(sh.live.active().then_some(sh.live.tick).flatten());
     let mut silence = sh.live.silence(std::time::Instant::now());
     loop {
+        #[cfg(feature = "cuda")]
+        let lending = sh.lending();
+        #[cfg(not(feature = "cuda"))]
+        let lending = false;
         tokio::select! {
             () = sh.done.notified() => return,
             r = sh.uds.readable() => if r.is_err() { break },
+            () = lent_changed(&sh) => continue,
+            r = sh.space.readable(), if lending => {
+                if let Ok(mut guard) = r {
+                    // Drained here, so the Sender (parked on the same socket, or about to)
+                    // is woken in process: it registered before it looked for room.
+                    if drain(&sh, guard.get_inner()) {
+                        guard.clear_ready();
+                    }
+                }
+                #[cfg(feature = "cuda")]
+                sh.sweep_lent();
+                sh.tx_waker.wake();
+                if sh.gone() {
+                    // Its end of the pair closed: with its process or its last mapping.
+                    #[cfg(feature = "cuda")]
+                    sh.release_all_lent();
+                    break;
+                }
+                continue;
+            }
             () = tick.next() => {
                 if sh.live.send_every.is_some() {
                     sh.out_ring().control().beat.fetch_add(1, Ordering::Relaxed);
@@ -298,7 +341,13 @@ async fn watch(sh: Arc<Shared>) {
                 .map_err(Into::into)
         });
         match res {
-            Ok(0) => break,
+            Ok(0) => {
+                // The peer closed its end: its process, or its last half and the last body
+                // it mapped, is gone.
+                #[cfg(feature = "cuda")]
+                sh.release_all_lent();
+                break;
+            }
             Ok(n) => {
                 got += n;
                 if got == ExtRecord::LEN {
@@ -322,23 +371,8 @@ async fn watch(sh: Arc<Shared>) {
 fn poll_wake(sh: &Shared, fd: &AsyncFd<OwnedFd>, cx: &mut Context<'_>) -> Poll<Result<()>> {
     match fd.poll_read_ready(cx) {
         Poll::Ready(Ok(mut guard)) => {
-            let mut buf = [0u8; 8];
-            for _ in 0..WAKE_DRAIN {
-                match rustix::net::recv(fd.get_ref(), &mut buf[..], RecvFlags::DONTWAIT) {
-                    Ok((0, _)) => {
-                        sh.mark_gone();
-                        break;
-                    }
-                    Ok(_) | Err(rustix::io::Errno::INTR) => {}
-                    Err(rustix::io::Errno::AGAIN) => {
-                        guard.clear_ready();
-                        break;
-                    }
-                    Err(_) => {
-                        sh.mark_gone();
-                        break;
-                    }
-                }
+            if drain(sh, fd.get_ref()) {
+                guard.clear_ready();
             }
             // The caller looks again; a spurious wake-up is harmless.
             Poll::Ready(Ok(()))
@@ -346,6 +380,38 @@ fn poll_wake(sh: &Shared, fd: &AsyncFd<OwnedFd>, cx: &mut Context<'_>) -> Poll<R
         Poll::Ready(Err(e)) => Poll::Ready(Err(Error::io("waiting on a wake socket", e))),
         Poll::Pending => Poll::Pending,
     }
+}
+
+/// Reads up to [`WAKE_DRAIN`] wake-ups from one of our wake sockets. True when it is empty
+/// now (its readiness may be cleared); a closed peer end marks the peer gone.
+fn drain(sh: &Shared, fd: &OwnedFd) -> bool {
+    let mut buf = [0u8; 8];
+    for _ in 0..WAKE_DRAIN {
+        match rustix::net::recv(fd, &mut buf[..], RecvFlags::DONTWAIT) {
+            Ok((0, _)) => {
+                sh.mark_gone();
+                return false;
+            }
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => return true,
+            Err(_) => {
+                sh.mark_gone();
+                return false;
+            }
+        }
+    }
+    false
+}
+
+/// Completes when the first device body is lent (never without the feature).
+#[cfg(feature = "cuda")]
+async fn lent_changed(sh: &Shared) {
+    sh.lending_changed.notified().await;
+}
+
+#[cfg(not(feature = "cuda"))]
+async fn lent_changed(_: &Shared) {
+    std::future::pending::<()>().await;
 }
 
 fn corrupt(what: impl std::fmt::Display) -> Error {

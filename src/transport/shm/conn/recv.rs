@@ -36,6 +36,9 @@ pub(crate) struct ShmReceiver {
     types: TypeCache,
     chunk: Chunk,
     done: bool,
+    /// Where device bodies land, and the device that maps those the peer lends.
+    #[cfg(feature = "cuda")]
+    landing: super::lend::Landing,
 }
 
 /// Where small received parts are copied: a shared buffer split into `Bytes`, so a message
@@ -75,6 +78,8 @@ impl ShmReceiver {
             types: TypeCache::default(),
             chunk: Chunk::default(),
             done: false,
+            #[cfg(feature = "cuda")]
+            landing: Default::default(),
         }
     }
 
@@ -113,6 +118,8 @@ impl ShmReceiver {
             limits,
             types,
             chunk,
+            #[cfg(feature = "cuda")]
+            landing,
             ..
         } = self;
         let max_entries = limits.max_meta_entries;
@@ -134,11 +141,11 @@ impl ShmReceiver {
         })
         .map_err(corrupt)?;
         let body = match l.body {
-            Part::Empty => Bytes::new(),
-            Part::Inline { at, len } => chunk.copy(&inline[at..at + len]),
+            Part::Empty => Body::new(),
+            Part::Inline { at, len } => Body::from(chunk.copy(&inline[at..at + len])),
             Part::Block { block, len } => {
                 let at = desc::payload(block);
-                if len <= COPY_MAX || !sh.zero_copy {
+                Body::from(if len <= COPY_MAX || !sh.zero_copy {
                     let b = Bytes::from(refs.copy_out(at, len as usize));
                     if arena::release(refs, block) {
                         sh.wake_peer_sender();
@@ -152,17 +159,25 @@ impl ShmReceiver {
                         ptr: refs.ptr(at, len),
                         len: len as usize,
                     })
-                }
+                })
             }
-            Part::External { .. } => Bytes::from_owner(ExternalBody {
+            Part::External { .. } => Body::from(Bytes::from_owner(ExternalBody {
                 map: external.expect("taken above"),
                 sh: sh.clone(),
-            }),
+            })),
+            #[cfg(feature = "cuda")]
+            Part::Device { slot, len } => landing.take(sh, slot, len)?,
+            #[cfg(not(feature = "cuda"))]
+            Part::Device { .. } => {
+                return Err(corrupt(
+                    "a device body lent, which this build (without `cuda`) never asks for",
+                ));
+            }
         };
         Ok(Step::Message(Message::from_parts(
             kind.clone(),
             meta,
-            Body::from(body),
+            body,
             Header {
                 flags: l.flags,
                 correlation: l.correlation,
@@ -235,6 +250,11 @@ impl ShmReceiver {
 }
 
 impl RecvHalf for ShmReceiver {
+    #[cfg(feature = "cuda")]
+    fn land_on(&mut self, gpu: Option<&crate::device::Gpu>) {
+        self.landing.set(&self.sh, gpu);
+    }
+
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message>>> {
         if self.done {
             return Poll::Ready(None);

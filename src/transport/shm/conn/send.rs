@@ -22,6 +22,17 @@ use crate::transport::shm::ring::{self, RingStore};
 use crate::transport::shm::segment::{Mapping, ShmArena, ShmRing};
 use crate::transport::{Count, SPIN, SendHalf, spin_until};
 
+/// True for a body in device memory (which reaches the half only to be lent).
+fn is_device(body: &Body) -> bool {
+    #[cfg(feature = "cuda")]
+    return body.as_device().is_some();
+    #[cfg(not(feature = "cuda"))]
+    return {
+        let _ = body;
+        false
+    };
+}
+
 /// Descriptors written before the producer checks whether the consumer sleeps (it always
 /// does before it waits or returns from a send).
 const PUBLISH_EVERY: u64 = 64;
@@ -63,6 +74,12 @@ pub(crate) struct ShmSender {
     detached: bool,
     /// Where a dropped sender counts what it could not deliver.
     count: Count,
+    /// Device bodies accepted for lending (`takes_device`), in the order they are staged:
+    /// each has its handle and a reserved slot.
+    #[cfg(feature = "cuda")]
+    prepared: VecDeque<crate::transport::shm::device::DeviceRecord>,
+    #[cfg(feature = "cuda")]
+    told: super::lend::Told,
 }
 
 impl ShmSender {
@@ -82,6 +99,10 @@ impl ShmSender {
             linger: Some(linger),
             detached: false,
             count,
+            #[cfg(feature = "cuda")]
+            prepared: VecDeque::new(),
+            #[cfg(feature = "cuda")]
+            told: Default::default(),
         }
     }
 
@@ -134,7 +155,14 @@ impl ShmSender {
             .lease_tag()
             .filter(|t| t.region == self.region)
             .map(|t| t.offset);
-        let plan = desc::plan(head_len, body_len, in_place.is_some(), self.refs.len());
+        // A device body here is lent (`takes_device` said so): only its head is placed.
+        let lent = is_device(body);
+        let plan = desc::plan(
+            head_len,
+            if lent { 0 } else { body_len },
+            in_place.is_some(),
+            self.refs.len(),
+        );
         if plan.body == BodyPlace::External {
             if self.external_in_flight() >= MAX_EXTERNAL {
                 return Ok(Err((msg, NoRoom::External)));
@@ -171,6 +199,7 @@ impl ShmSender {
         };
         let bytes = || body.as_bytes().expect("host bodies only");
         match plan.body {
+            BodyPlace::Empty if lent => self.lend(&mut d, body)?,
             BodyPlace::Empty => {}
             BodyPlace::Inline => {
                 d.inline(bytes());
@@ -209,6 +238,27 @@ impl ShmSender {
             self.publish();
         }
         Ok(Ok(()))
+    }
+
+    /// Lends the device body `body` in a slot of the device table (its handle was prepared
+    /// by `takes_device`).
+    #[cfg(feature = "cuda")]
+    fn lend(&mut self, d: &mut desc::Builder, body: &Body) -> Result<()> {
+        let rec = self
+            .prepared
+            .pop_front()
+            .expect("takes_device prepared every device body it let through");
+        let slot = self
+            .sh
+            .lend(body.as_device().expect("a device body"), &rec)?;
+        d.place(Desc::BODY_DEVICE);
+        d.body_at(slot);
+        Ok(())
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn lend(&mut self, _: &mut desc::Builder, _: &Body) -> Result<()> {
+        unreachable!("device bodies exist with the `cuda` feature only")
     }
 
     /// A body too large for the arena: a sealed memfd of its own, passed over the socket with
@@ -408,6 +458,10 @@ impl ShmSender {
             linger: None,
             detached: true,
             count: self.count.clone(),
+            #[cfg(feature = "cuda")]
+            prepared: VecDeque::new(),
+            #[cfg(feature = "cuda")]
+            told: Default::default(),
         };
         let mut moved = std::mem::replace(self, stand_in);
         moved.linger = None;
@@ -433,6 +487,11 @@ impl SendHalf for ShmSender {
         // `poll_ready` checked the connection just before (the Sink contract); a peer that
         // went since then is reported on the next call.
         if self.closed {
+            if is_device(msg.body()) {
+                // `takes_device` prepared it: not sent, not lent.
+                #[cfg(feature = "cuda")]
+                self.prepared.pop_back();
+            }
             return Err(Error::new(ErrorKind::Closed, "sender closed").with_message(msg));
         }
         if !self.staged.is_empty() {
@@ -453,10 +512,27 @@ impl SendHalf for ShmSender {
         self.poll_drain_all(cx)
     }
 
+    #[cfg(feature = "cuda")]
+    fn takes_device(&mut self, body: &crate::device::DeviceBody) -> bool {
+        match super::lend::prepare(&self.sh, body, self.prepared.len(), &mut self.told) {
+            Some(rec) => {
+                self.prepared.push_back(rec);
+                true
+            }
+            None => false,
+        }
+    }
+
     fn unstage(&mut self) -> Option<Message> {
         let m = self.staged.pop_back()?;
         let head = (m.kind().len() + m.meta().encoded_len()) as u64;
-        let body = m.body().len() as u64;
+        let body = if is_device(m.body()) {
+            #[cfg(feature = "cuda")]
+            self.prepared.pop_back();
+            0
+        } else {
+            m.body().len() as u64
+        };
         // The larger of the two blocks it needs (the head goes inline when it is small).
         self.want = Some(if head as usize > Desc::INLINE {
             head.max(body)
