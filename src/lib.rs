@@ -102,6 +102,8 @@ mod text;
 mod transport;
 pub mod wire;
 
+#[cfg(feature = "cuda")]
+pub use channel::DeviceBodies;
 pub use channel::{
     Channel, ChannelInfo, ChannelStats, Context, ContextBuilder, ContextStats, IoEngine, Listener,
     Receiver, ReuniteError, Sender,

@@ -42,10 +42,9 @@ pub struct ChannelInfo {
     /// What the Sender and the Receiver counted, each on a cache line of its own.
     sent: CachePadded<Tally>,
     received: CachePadded<Tally>,
-    /// The path the last device body sent took (`DEVICE_PATHS`); 0 before the first (and
-    /// on channels that hand bodies over as they are).
+    /// The paths the device bodies sent took.
     #[cfg(feature = "cuda")]
-    device_path: std::sync::atomic::AtomicU8,
+    device: DeviceTally,
     _open: crate::metrics::Held,
     _keepalive: Option<Arc<dyn Any + Send + Sync>>,
 }
@@ -67,9 +66,46 @@ pub struct ChannelStats {
     pub received_bytes: u64,
 }
 
-/// Names of the paths of device bodies, by the number `ChannelInfo::device_path` holds.
+/// Names of the paths of device bodies, by the number `DeviceTally` keeps.
 #[cfg(feature = "cuda")]
 const DEVICE_PATHS: [&str; 4] = ["", "in-process", "staged", "cuda-ipc"];
+
+/// Bodies in device memory a [`Sender`] sent, by path. Read with
+/// [`ChannelInfo::device_bodies`]; the paths are described at [`ChannelInfo::device_path`].
+#[cfg(feature = "cuda")]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeviceBodies {
+    /// Handed over as they are: `"in-process"` (`inproc://`, or a session, which stages them
+    /// on its connection).
+    pub in_process: u64,
+    /// Copied through host buffers: `"staged"`.
+    pub staged: u64,
+    /// Mapped by the receiver: `"cuda-ipc"`.
+    pub lent: u64,
+}
+
+/// The last path a device body took (0: none yet) and a count per path, written by the
+/// Sender only.
+#[cfg(feature = "cuda")]
+#[derive(Default)]
+struct DeviceTally {
+    last: std::sync::atomic::AtomicU8,
+    counts: [AtomicU64; 3],
+}
+
+#[cfg(feature = "cuda")]
+impl DeviceTally {
+    /// A body of `len` bytes took `path` (1..=3); empty ones are not told.
+    fn note(&self, path: u8, len: u64) {
+        if len == 0 {
+            return;
+        }
+        self.last.store(path, Ordering::Relaxed);
+        let c = &self.counts[usize::from(path) - 1];
+        c.store(c.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+    }
+}
 
 /// A message count and a byte count written by one half only (a load and a store, no
 /// read-modify-write on the hot path), read by anyone.
@@ -117,17 +153,23 @@ impl ChannelInfo {
     /// See [`crate::device`].
     #[cfg(feature = "cuda")]
     pub fn device_path(&self) -> &'static str {
-        match self.device_path.load(Ordering::Relaxed) {
+        match self.device.last.load(Ordering::Relaxed) {
             0 if self.transport == "inproc" => DEVICE_PATHS[1],
             0 => DEVICE_PATHS[2],
             i => DEVICE_PATHS[usize::from(i)],
         }
     }
 
+    /// How many bodies in device memory the [`Sender`] sent by each path (bodies of 0 bytes
+    /// are not counted): a path that is slower than the one expected shows here, not only
+    /// in a log line.
     #[cfg(feature = "cuda")]
-    fn set_device_path(&self, path: Option<u8>) {
-        if let Some(p) = path {
-            self.device_path.store(p, Ordering::Relaxed);
+    pub fn device_bodies(&self) -> DeviceBodies {
+        let n = |p: usize| self.device.counts[p - 1].load(Ordering::Relaxed);
+        DeviceBodies {
+            in_process: n(1),
+            staged: n(2),
+            lent: n(3),
         }
     }
 
@@ -306,7 +348,7 @@ impl Channel {
             sent: CachePadded::default(),
             received: CachePadded::default(),
             #[cfg(feature = "cuda")]
-            device_path: Default::default(),
+            device: DeviceTally::default(),
             _open: crate::metrics::Held::channel(parts.transport),
             _keepalive: parts.keepalive,
         });
@@ -409,22 +451,26 @@ impl Sender {
         }
         let bytes = msg.body().len() as u64;
         #[cfg(feature = "cuda")]
-        if let Some(device) = msg.body().as_device()
-            && self.stage.wants(&msg)
-        {
-            // The path is told for bodies with something in them.
-            let path = |p| (!device.is_empty()).then_some(p);
-            if self.half.takes_device(device) {
+        let mut path = None;
+        #[cfg(feature = "cuda")]
+        if let Some(device) = msg.body().as_device() {
+            if !self.stage.wants(&msg) {
+                path = Some(1);
+            } else if self.half.takes_device(device) {
                 // Lent: the half takes it as it is.
-                self.info.set_device_path(path(3));
+                path = Some(3);
             } else {
-                self.info.set_device_path(path(2));
                 self.stage.start(&mut *self.half, msg, &self.info.peer)?;
+                self.info.device.note(2, bytes);
                 self.info.sent.add(1, bytes);
                 return Ok(());
             }
         }
         self.half.start_send(msg)?;
+        #[cfg(feature = "cuda")]
+        if let Some(p) = path {
+            self.info.device.note(p, bytes);
+        }
         self.info.sent.add(1, bytes);
         Ok(())
     }

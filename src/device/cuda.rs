@@ -406,6 +406,27 @@ impl Backend for Cuda {
             .map_err(|e| failed("copying to the device", e))
     }
 
+    fn copy_device(&self, src: &dyn Mem, dst: &dyn Mem) -> Result<()> {
+        let (src, dst) = (mine(src)?, mine(dst)?);
+        check_range(0, src.slice().len(), dst.slice().len())?;
+        // What wrote `src` on its own stream first, then the copy on `dst`'s.
+        src.slice()
+            .stream()
+            .synchronize()
+            .map_err(|e| failed("waiting for writes to a body", e))?;
+        let stream = dst.slice().stream();
+        bind(stream)?;
+        let (from, _r) = src.slice().device_ptr(stream);
+        let (to, _w) = dst.slice().device_ptr(stream);
+        // SAFETY: both ranges are live device memory of `len` bytes (checked), distinct
+        // (the caller checked); the synchronize below waits for the copy.
+        unsafe { result::memcpy_dtod_async(to, from, src.slice().len(), stream.cu_stream()) }
+            .map_err(|e| failed("copying on the device", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| failed("waiting for a copy on the device", e))
+    }
+
     fn finish_copy_in(&self, dst: &dyn Mem) -> Result<()> {
         mine(dst)?
             .slice()

@@ -239,6 +239,26 @@ impl DeviceBody {
         Ok(Bytes::from(out))
     }
 
+    /// Copies `src`, a body of the same length on the same device, into this one; returns
+    /// when the copy is complete. Fails with [`ErrorKind::Mismatch`] for another device or
+    /// another length.
+    pub fn copy_from(&self, src: &DeviceBody) -> Result<()> {
+        if !Arc::ptr_eq(&self.gpu.inner.backend, &src.gpu.inner.backend) || self.len() != src.len()
+        {
+            return Err(Error::new(
+                ErrorKind::Mismatch,
+                format!(
+                    "cannot copy {src:?} of {:?} into {self:?} of {:?}",
+                    src.gpu, self.gpu
+                ),
+            ));
+        }
+        if self.same_memory(src) || self.is_empty() {
+            return Ok(());
+        }
+        self.gpu.backend().copy_device(&*src.mem, &*self.mem)
+    }
+
     /// The cudarc slice, when the body is CUDA memory: to launch kernels on it.
     pub fn as_cuda(&self) -> Option<&cudarc::driver::CudaSlice<u8>> {
         cuda::slice_of(&*self.mem)
@@ -335,6 +355,8 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn copy_in(&self, dst: &dyn Mem, offset: usize, src: &[u8]) -> Result<()>;
     /// Waits until the copies into `dst` are complete.
     fn finish_copy_in(&self, dst: &dyn Mem) -> Result<()>;
+    /// Copies all of `src` to `dst` (distinct memory of one length) and waits.
+    fn copy_device(&self, src: &dyn Mem, dst: &dyn Mem) -> Result<()>;
 
     /// The [`IpcHandle::kind`] of the handles this device exports and opens; 0 when it
     /// does neither.

@@ -252,6 +252,30 @@ impl Backend for StandIn {
     fn finish_copy_in(&self, dst: &dyn Mem) -> Result<()> {
         mine(dst).map(drop)
     }
+
+    fn copy_device(&self, src: &dyn Mem, dst: &dyn Mem) -> Result<()> {
+        let (src, dst) = (mine(src)?, mine(dst)?);
+        check_range(0, src.len, dst.len)?;
+        // Locked in address order: two copies in opposite directions cannot deadlock.
+        let (s, d) = if std::ptr::from_ref(src) < std::ptr::from_ref(dst) {
+            let s = src.lock();
+            (s, dst.lock())
+        } else {
+            let d = dst.lock();
+            (src.lock(), d)
+        };
+        let (mut s, mut d) = (s, d);
+        // SAFETY: distinct blocks (the caller checked), each valid for its offset plus
+        // `len` bytes, both locked; `dst` holds at least `src.len` bytes (checked above).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                s.base().add(src.offset),
+                d.base().add(dst.offset),
+                src.len,
+            )
+        };
+        Ok(())
+    }
 }
 
 /// A staging buffer on the heap.

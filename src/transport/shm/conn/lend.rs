@@ -87,6 +87,9 @@ impl Shared {
     }
 }
 
+/// How long a sender whose receiver holds every slot waits for one before it stages.
+const LEND_WAIT: std::time::Duration = std::time::Duration::from_micros(200);
+
 /// The sender's side: `Some(record)` when `body` can be lent to the receiver now (it maps
 /// this kind of device memory, a slot is free beyond the `reserved` ones, the device exports
 /// it); `None` to stage it. Says once per channel why a body is staged.
@@ -114,7 +117,12 @@ pub(super) fn prepare(
         }
         return None;
     }
-    if sh.sweep_lent() <= reserved {
+    // A receiver that drops bodies as fast as they come frees a slot within microseconds: wait
+    // that long for one (its count is read straight from the table) before staging.
+    let Ok(freed) = crate::transport::spin_until(LEND_WAIT, || {
+        Ok::<_, std::convert::Infallible>(sh.sweep_lent() > reserved)
+    });
+    if !freed {
         if !told.full {
             told.full = true;
             tracing::warn!(
@@ -149,8 +157,8 @@ pub(super) fn prepare(
                 tracing::warn!(
                     peer = %sh.peer,
                     error = %e,
-                    "a device body could not be exported: it is staged through host memory \
-                     (memory of a stream-ordered pool cannot be; use Gpu::alloc)"
+                    "a device body could not be lent over CUDA IPC: it is staged through host \
+                     memory (see hyperframes::device for what can be lent)"
                 );
             }
             None
