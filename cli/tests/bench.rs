@@ -267,3 +267,71 @@ fn bad_command_lines_exit_2() {
         assert!(text(&out.stderr).contains("hf: error:") || text(&out.stderr).contains("error:"));
     }
 }
+
+/// `--device stand-in`: device bodies on every transport, the path each took (lent over
+/// shm, staged over tcp, handed over in-process), and the device-copy baseline.
+#[cfg(feature = "cuda")]
+#[test]
+fn device_bodies_on_every_path() {
+    let json = tmp("device.jsonl");
+    let out = run(hf()
+        .args([
+            "bench",
+            "--device",
+            "stand-in",
+            "--duration",
+            "0.2",
+            "--warmup",
+            "20",
+            "--transport",
+            "inproc,tcp,shm",
+            "--pattern",
+            "rate,bw",
+            "--size",
+            "4KiB",
+        ])
+        .arg("--json")
+        .arg(&json));
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(
+        stdout.contains("baseline: device-to-device copy of 4 KiB on stand-in"),
+        "{stdout}"
+    );
+    // The counts of each transport's paths, under the table.
+    let count = |transport: &str, path: &str| -> u64 {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("note: {transport}: device bodies:")))
+            .unwrap_or_else(|| panic!("no device note for {transport}: {stdout}"));
+        let at = line.find(path).unwrap_or_else(|| panic!("{line}"));
+        line[..at]
+            .rsplit([':', ','])
+            .next()
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{e}: {line}"))
+    };
+    assert!(count("shm", "lent") > 0, "{stdout}");
+    assert!(count("tcp", "staged") > 0, "{stdout}");
+    assert_eq!(count("tcp", "lent"), 0, "{stdout}");
+    assert!(count("inproc", "in-process") > 0, "{stdout}");
+    for p in json_lines(&json) {
+        assert_eq!(p["device"], "stand-in", "{p}");
+        // Only the first body of a point is copied back and checked.
+        assert_eq!(p["verified"], false, "{p}");
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn device_needs_the_feature() {
+    let out = run(hf().args(["bench", "--device", "stand-in"]));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("--features cuda"),
+        "{}",
+        text(&out.stderr)
+    );
+}

@@ -16,6 +16,7 @@ macro_rules! say {
     }};
 }
 
+mod device;
 mod plot;
 mod proto;
 mod report;
@@ -101,6 +102,13 @@ pub(crate) struct BenchArgs {
     /// The receiver checks every body's content (always on for bw).
     #[arg(long)]
     verify: bool,
+
+    /// Send bodies in device memory: cuda (device 0), cuda:N, or stand-in (host memory
+    /// handled as a device); the peer lands them on the same kind of device. Their content
+    /// is checked on the first of each point only (a copy back per body would be the
+    /// measurement). Needs hf built with `--features cuda`.
+    #[arg(long, value_name = "DEVICE", conflicts_with = "zero_copy")]
+    device: Option<String>,
 
     /// A fixed offered load in messages per second, instead of as fast as possible.
     #[arg(long, value_name = "MSGS_PER_S")]
@@ -257,6 +265,7 @@ fn settings(args: &BenchArgs) -> Result<Settings, Failure> {
         verify: args.verify,
         zero_copy: args.zero_copy,
         rate: args.rate,
+        device: args.device.as_deref().map(device::open).transpose()?,
     })
 }
 
@@ -271,8 +280,13 @@ fn pin(cpu: usize) -> Result<(), Failure> {
         .map_err(|e| Failure::runtime(format!("cannot pin to CPU {cpu}: {e:#}")))
 }
 
-fn context(busy_poll: bool, tls: &crate::tls::TlsArgs) -> Result<Context, Failure> {
-    crate::build_context(tls.apply(Context::builder().busy_poll(busy_poll))?)
+fn context(
+    busy_poll: bool,
+    tls: &crate::tls::TlsArgs,
+    gpu: Option<&device::Gpu>,
+) -> Result<Context, Failure> {
+    let b = device::land(Context::builder().busy_poll(busy_poll), gpu);
+    crate::build_context(tls.apply(b)?)
 }
 
 /// Runs `hf bench`. Builds its own single-threaded runtime after pinning, so that every
@@ -303,7 +317,8 @@ pub(crate) fn main(args: BenchArgs) -> Result<(), Failure> {
 async fn serve(args: &BenchArgs, url: &str) -> Result<(), Failure> {
     Endpoint::parse(url).map_err(Failure::usage)?;
     args.tls.check(url, true)?;
-    let ctx = context(args.busy_poll, &args.tls)?;
+    let gpu = args.device.as_deref().map(device::open).transpose()?;
+    let ctx = context(args.busy_poll, &args.tls, gpu.as_ref())?;
     let mut listener = ctx
         .bind(url)
         .await
@@ -348,6 +363,9 @@ impl PeerProcess {
         cmd.args(["bench", "--serve", url, "--once"]);
         if args.busy_poll {
             cmd.arg("--busy-poll");
+        }
+        if let Some(d) = &args.device {
+            cmd.arg(format!("--device={d}"));
         }
         if let Some(cpu) = args.pin.get(1) {
             cmd.arg(format!("--pin={cpu}"));
@@ -522,7 +540,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
     let tls = throwaway.as_ref().map_or(&args.tls, |t| &t.args).clone();
     #[cfg(not(feature = "tls"))]
     let tls = args.tls.clone();
-    let ctx = context(args.busy_poll, &tls)?;
+    let ctx = context(args.busy_poll, &tls, settings.device.as_ref())?;
 
     // What to run against: a remote peer, or a local one per transport.
     let mut targets: Vec<(String, Option<String>)> = Vec::new();
@@ -587,6 +605,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
     let mut rows: Vec<Row> = Vec::new();
     let mut failures = 0usize;
     let mut engines = Vec::new();
+    let mut notes_after = Vec::new();
     let point_limit = settings.duration
         + match settings.warmup {
             Warmup::Time(d) => d,
@@ -646,6 +665,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
                         outcome,
                         busy_poll: args.busy_poll,
                         zero_copy: args.zero_copy,
+                        device: args.device.clone(),
                         offered: args.rate,
                     };
                     bar.suspend(|| say!("{}", report::line(&row)));
@@ -660,6 +680,9 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
                 }
             }
             bar.inc(1);
+        }
+        if settings.device.is_some() {
+            notes_after.push(format!("{transport}: {}", device::paths(ch.info())));
         }
         let _ = ch.close().await;
         drop(ch);
@@ -677,7 +700,29 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
         .filter(|r| r.pattern == Pattern::Bw)
         .map(|r| r.size)
         .collect();
-    if let Some(&size) = bw_sizes.iter().max() {
+    if let Some(&size) = bw_sizes.iter().max()
+        && let Some(gpu) = &settings.device
+    {
+        // Device bodies: the ceiling is a copy on the device.
+        match device::copy_gbytes_per_s(gpu, size) {
+            Ok(copy) => {
+                let ratios: Vec<String> = rows
+                    .iter()
+                    .filter(|r| r.pattern == Pattern::Bw && r.size == size)
+                    .map(|r| format!("{} {:.2}×", r.transport, r.outcome.gbytes_per_s / copy))
+                    .collect();
+                say!(
+                    "baseline: device-to-device copy of {} on {}: {copy:.2} GB/s; bw {} \
+                     against it: {}",
+                    report::size_label(size),
+                    args.device.as_deref().unwrap_or_default(),
+                    report::size_label(size),
+                    ratios.join(", ")
+                );
+            }
+            Err(e) => say!("baseline: the device-to-device copy failed: {e}"),
+        }
+    } else if let Some(&size) = bw_sizes.iter().max() {
         let memcpy = memcpy_gbytes_per_s(size);
         let ratios: Vec<String> = rows
             .iter()
@@ -692,7 +737,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
             ratios.join(", ")
         );
     }
-    for e in engines {
+    for e in engines.iter().chain(&notes_after) {
         say!("note: {e:#}");
     }
 
@@ -739,6 +784,9 @@ fn settings_label(args: &BenchArgs) -> String {
     }
     if args.zero_copy {
         parts.push("zero-copy".into());
+    }
+    if let Some(d) = &args.device {
+        parts.push(format!("device bodies ({d})"));
     }
     if let Some(r) = args.rate {
         parts.push(format!("offered {r} msg/s"));

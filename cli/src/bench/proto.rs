@@ -84,6 +84,8 @@ pub(crate) struct Settings {
     pub(crate) zero_copy: bool,
     /// Fixed offered load, messages per second.
     pub(crate) rate: Option<f64>,
+    /// Bodies in memory of this device (`--device`).
+    pub(crate) device: Option<super::device::Gpu>,
 }
 
 /// What one point measured.
@@ -180,6 +182,11 @@ impl Arrivals {
             match body.as_bytes() {
                 Some(b) if verify => self.damaged += u64::from(!stats::check(b)),
                 Some(b) => self.sum = self.sum.wrapping_add(stats::touch(b)),
+                // In device memory: the first of the point is copied back and checked.
+                None if verify && self.messages == 1 => {
+                    let ok = super::device::check(body, stats::check).unwrap_or(true);
+                    self.damaged += u64::from(!ok);
+                }
                 None => {}
             }
         }
@@ -293,27 +300,31 @@ pub(crate) async fn serve_channel(mut ch: Channel) -> Result<(), Failed> {
 /// Bodies to send: a few heap buffers holding the pattern (reused, as an application reuses
 /// its buffers), or, with zero copy, memory from the transport filled in place each time.
 struct Bodies {
-    heap: Vec<Bytes>,
+    /// Host buffers, or device memory with `--device`.
+    heap: Vec<Body>,
     size: usize,
     zero_copy: bool,
 }
 
 impl Bodies {
-    fn new(size: usize, zero_copy: bool) -> Bodies {
+    fn new(size: usize, s: &Settings) -> Result<Bodies, Failed> {
         // Enough distinct buffers that large ones do not all stay in the cache.
-        let count = if zero_copy { 0 } else { 8 };
-        let heap = (0..count)
-            .map(|_| {
-                let mut v = vec![0u8; size];
-                stats::fill(&mut v);
-                Bytes::from(v)
-            })
-            .collect();
-        Bodies {
+        let count = if s.zero_copy { 0 } else { 8 };
+        let heap = match &s.device {
+            Some(gpu) => super::device::bodies(gpu, size, count, stats::fill)?,
+            None => (0..count)
+                .map(|_| {
+                    let mut v = vec![0u8; size];
+                    stats::fill(&mut v);
+                    Body::from(v)
+                })
+                .collect(),
+        };
+        Ok(Bodies {
             heap,
             size,
-            zero_copy,
-        }
+            zero_copy: s.zero_copy,
+        })
     }
 
     async fn message(
@@ -327,7 +338,7 @@ impl Bodies {
             stats::fill(&mut b);
             b.freeze()
         } else {
-            self.heap[seq as usize % self.heap.len()].clone().into()
+            self.heap[seq as usize % self.heap.len()].clone()
         };
         Ok(Message::from_parts(
             kind.clone(),
@@ -455,7 +466,7 @@ pub(crate) async fn run_point(
     ch.send(start).await.map_err(lost)?;
     expect(ch, GO).await?;
     let what = format!("{} {} B", pattern.as_str(), size);
-    let bodies = Bodies::new(size, s.zero_copy);
+    let bodies = Bodies::new(size, s)?;
     let warm = MsgType::new(WARM).map_err(|e| e.to_string())?;
     let data = MsgType::new(DATA).map_err(|e| e.to_string())?;
 
@@ -528,7 +539,7 @@ async fn stream(
         latency: None,
         cpu,
         rates: peer.rates,
-        verified: verify,
+        verified: verify && s.device.is_none(),
     })
 }
 
@@ -620,7 +631,7 @@ async fn latency(
         latency: Some(hist),
         cpu,
         rates: intervals.rates(last),
-        verified: s.verify,
+        verified: s.verify && s.device.is_none(),
     })
 }
 

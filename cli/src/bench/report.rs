@@ -14,6 +14,8 @@ pub(crate) struct Row {
     pub(crate) outcome: Outcome,
     pub(crate) busy_poll: bool,
     pub(crate) zero_copy: bool,
+    /// `--device`, as given.
+    pub(crate) device: Option<String>,
     pub(crate) offered: Option<f64>,
 }
 
@@ -62,6 +64,7 @@ impl Row {
             "cpu": {"user_s": micro(o.cpu.user_s), "sys_s": micro(o.cpu.sys_s)},
             "busy_poll": self.busy_poll,
             "zero_copy": self.zero_copy,
+            "device": self.device,
             "verified": o.verified,
             "offered_msgs_per_s": self.offered,
             "per_second": o.rates,
@@ -193,6 +196,7 @@ mod tests {
             },
             busy_poll: false,
             zero_copy: true,
+            device: None,
             offered: None,
         }
     }
