@@ -208,6 +208,34 @@ async fn shm_lends_device_memory_until_the_receiver_drops_it() {
     assert_eq!(theirs.live_blocks(), 0);
 }
 
+/// The sender drops its channel while the receiver still maps what it lent: the memory
+/// stays allocated until the receiver drops the body (the connection's watcher outlives
+/// the halves while bodies are lent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lent_body_outlives_the_senders_channel() {
+    let (ours, theirs) = (Gpu::stand_in(), Gpu::stand_in());
+    let (mut a, mut b) = pair(&shm_ctx(), "shm").await;
+    b.halves_mut().1.land_on(Some(theirs.clone()));
+    let bytes = pattern(100_000, 3);
+    let m = Message::new("o.dev")
+        .unwrap()
+        .with_body(ours.upload(&bytes).unwrap());
+    timeout(GUARD, a.send(m)).await.unwrap().unwrap();
+    let got = timeout(GUARD, b.recv()).await.unwrap().unwrap().unwrap();
+    drop(a);
+    // The receiver sees the channel end after the body, which it still holds.
+    assert!(timeout(GUARD, b.recv()).await.unwrap().is_none());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(ours.live_blocks(), 1, "freed while the receiver maps it");
+    assert_eq!(got.body().as_device().unwrap().to_host().unwrap(), bytes);
+    drop(got);
+    settle("released after the sender's channel went", || {
+        ours.live_blocks() == 0
+    })
+    .await;
+    drop(b);
+}
+
 /// A body lent while the receiver landed on a device, received after it switched to host
 /// memory: copied to the host and given back. The next body is staged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -67,6 +67,9 @@ pub(super) fn open(ordinal: usize) -> Result<Arc<dyn Backend>> {
     }))
 }
 
+/// Allocations that may be lent over CUDA IPC are made in multiples of this.
+const IPC_GRANULE: usize = 2 << 20;
+
 struct Cuda {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -221,21 +224,26 @@ impl Backend for Cuda {
         }
         bind(&self.stream)?;
         // `cuMemAlloc`, not the stream-ordered pool cudarc would use: CUDA IPC exports only
-        // the former.
+        // the former. Rounded up to 2 MiB: IPC shares the whole block a small allocation was
+        // carved from (CUDA programming guide, "Interprocess Communication"), which would
+        // show the peer other bodies of ours.
+        let rounded = len.div_ceil(IPC_GRANULE).saturating_mul(IPC_GRANULE);
         // SAFETY: a plain allocation in the bound context, owned by the `CudaMem` below.
-        let ptr = unsafe { result::malloc_sync(len) }
+        let ptr = unsafe { result::malloc_sync(rounded) }
             .map_err(|e| failed(&format!("allocating {len} bytes"), e))?;
-        // SAFETY: `ptr` is a live allocation of `len` bytes of this context; the slice gives
-        // it back with `leak` in `CudaMem::drop`, which frees it.
+        // SAFETY: `ptr` is a live allocation of at least `len` bytes of this context; the
+        // slice gives it back with `leak` in `CudaMem::drop`, which frees it.
         let slice = unsafe { self.stream.upgrade_device_ptr::<u8>(ptr, len) };
-        let mem = CudaMem {
+        let mut mem = CudaMem {
             slice: Some(slice),
             owner: Owner::Alloc,
             _live: self.live.guard(),
             _keep: None,
         };
-        // SAFETY: `len` bytes at `ptr` are ours; later copies are queued after it.
-        unsafe { result::memset_d8_async(ptr, 0, len, self.stream.cu_stream()) }
+        // Through cudarc, so that its event tracking orders the zeroing before work on the
+        // slice on other streams.
+        self.stream
+            .memset_zeros(mem.slice.as_mut().expect("just made"))
             .map_err(|e| failed("zeroing new device memory", e))?;
         Ok(Arc::new(mem))
     }
@@ -282,7 +290,7 @@ impl Backend for Cuda {
     }
 
     #[cfg(feature = "shm")]
-    fn import(&self, h: &super::IpcHandle, keep: Keep) -> Result<Arc<dyn Mem>> {
+    fn import(&self, h: &super::IpcHandle, _peer: u32, keep: Keep) -> Result<Arc<dyn Mem>> {
         if h.kind != super::IPC_CUDA || h.len == 0 {
             return Err(Error::new(
                 ErrorKind::Protocol,
@@ -312,10 +320,13 @@ impl Backend for Cuda {
         let mut start = 0;
         // SAFETY: out-pointers to locals; `base` is mapped in the bound context.
         let range = unsafe { sys::cuMemGetAddressRange_v2(&mut start, &mut size, base) }.result();
+        // The body, from the mapped base, within the block the driver reports around it.
         let fits = range.is_ok()
-            && h.offset
-                .checked_add(h.len)
-                .is_some_and(|end| end <= size as u64);
+            && base
+                .checked_add(h.offset)
+                .and_then(|at| at.checked_add(h.len))
+                .zip(start.checked_add(size as u64))
+                .is_some_and(|(end, block_end)| base >= start && end <= block_end);
         if !fits {
             // SAFETY: opened above, closed once.
             let _ = unsafe { sys::cuIpcCloseMemHandle(base) };

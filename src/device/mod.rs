@@ -20,7 +20,9 @@
 //!
 //! On `shm://`, a body is lent over CUDA IPC when the receiving end lands bodies on a device
 //! of the same kind; the sender keeps a reference to it (at most 256 per direction) until
-//! the receiver has dropped the body and closed its mapping, or its process is gone. It is
+//! the receiver has dropped the body and closed its mapping, or its process is gone — after
+//! the sender's channel is dropped too, for as long as the sender's tokio runtime runs (the
+//! connection's watcher task holds them). It is
 //! staged instead — and a log line says why, once per channel — when the receiver lands in
 //! host memory, holds 256 lent bodies already, is the same process (CUDA does not open its
 //! own handles there: use `inproc://`), or the memory cannot be exported (memory of a
@@ -298,12 +300,12 @@ pub(crate) struct IpcHandle {
 /// Held by memory mapped from another process, dropped after it is unmapped.
 pub(crate) type Keep = Box<dyn Any + Send + Sync>;
 
-/// A device body over memory another process lent (`shm://`'s CUDA IPC), mapped on `gpu`;
+/// A device body over memory process `peer` lent (`shm://`'s CUDA IPC), mapped on `gpu`;
 /// `keep` is dropped once the mapping is closed.
 #[cfg(feature = "shm")]
-pub(crate) fn import(gpu: &Gpu, handle: &IpcHandle, keep: Keep) -> Result<DeviceBody> {
+pub(crate) fn import(gpu: &Gpu, handle: &IpcHandle, peer: u32, keep: Keep) -> Result<DeviceBody> {
     Ok(DeviceBody {
-        mem: gpu.backend().import(handle, keep)?,
+        mem: gpu.backend().import(handle, peer, keep)?,
         gpu: gpu.clone(),
     })
 }
@@ -378,10 +380,10 @@ pub(crate) trait Backend: Send + Sync + 'static {
         ))
     }
 
-    /// Maps memory another process exported; unmapped when the returned memory drops, and
+    /// Maps memory process `peer` exported; unmapped when the returned memory drops, and
     /// `keep` dropped after that (whatever tells the exporter it may free the memory).
     #[cfg_attr(not(feature = "shm"), allow(dead_code))]
-    fn import(&self, _handle: &IpcHandle, _keep: Keep) -> Result<Arc<dyn Mem>> {
+    fn import(&self, _handle: &IpcHandle, _peer: u32, _keep: Keep) -> Result<Arc<dyn Mem>> {
         Err(Error::new(
             ErrorKind::Unavailable,
             format!("{} does not map memory of other processes", self.describe()),

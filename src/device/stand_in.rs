@@ -202,8 +202,8 @@ impl Backend for StandIn {
     }
 
     #[cfg(feature = "shm")]
-    fn import(&self, h: &super::IpcHandle, keep: Keep) -> Result<Arc<dyn Mem>> {
-        let shared = ipc::Shared::open(h)?;
+    fn import(&self, h: &super::IpcHandle, peer: u32, keep: Keep) -> Result<Arc<dyn Mem>> {
+        let shared = ipc::Shared::open(h, peer)?;
         Ok(Arc::new(Memory {
             store: Mutex::new(Store::Shared(shared)),
             offset: h.offset as usize, // within the mapping: `open` checked
@@ -322,7 +322,7 @@ mod ipc {
     use std::os::fd::{AsRawFd, OwnedFd};
     use std::ptr::NonNull;
 
-    use rustix::fs::{MemfdFlags, Mode, OFlags};
+    use rustix::fs::{MemfdFlags, Mode, OFlags, SealFlags};
     use rustix::mm::{MapFlags, ProtFlags};
 
     use crate::device::{IPC_STAND_IN, IpcHandle};
@@ -349,9 +349,15 @@ mod ipc {
     impl Shared {
         /// A memfd holding a copy of `bytes`.
         pub(super) fn create(bytes: &[u8]) -> Result<Shared> {
-            let fd = rustix::fs::memfd_create("hyperframes-stand-in", MemfdFlags::CLOEXEC)
-                .map_err(io("creating a memfd"))?;
+            let fd = rustix::fs::memfd_create(
+                "hyperframes-stand-in",
+                MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+            )
+            .map_err(io("creating a memfd"))?;
             rustix::fs::ftruncate(&fd, bytes.len() as u64).map_err(io("sizing a memfd"))?;
+            // Its size is fixed: an importer's mapping cannot be cut short under it (SIGBUS).
+            rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+                .map_err(io("sealing a memfd"))?;
             let shared = Shared::map(fd, bytes.len())?;
             // SAFETY: a fresh private mapping of `bytes.len()` bytes nobody else has yet.
             unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), shared.base(), bytes.len()) };
@@ -412,13 +418,15 @@ mod ipc {
             Ok(h)
         }
 
-        /// Maps the memfd a handle names, checking it is that file and holds the body.
-        pub(super) fn open(h: &IpcHandle) -> Result<Shared> {
+        /// Maps the memfd a handle of process `peer` names, checking it is that process's,
+        /// that file, sealed to its size, and that it holds the body.
+        pub(super) fn open(h: &IpcHandle, peer: u32) -> Result<Shared> {
             let word = |at: usize| u64::from_ne_bytes(h.handle[at..at + 8].try_into().expect("8"));
             let pid = u32::from_ne_bytes(h.handle[..4].try_into().expect("4"));
             let fd = i32::from_ne_bytes(h.handle[4..8].try_into().expect("4"));
             let (dev, ino, size) = (word(8), word(16), word(24));
             if h.kind != IPC_STAND_IN
+                || pid != peer
                 || h.offset.checked_add(h.len).is_none_or(|end| end > size)
                 || usize::try_from(size).is_err()
             {
@@ -441,10 +449,12 @@ mod ipc {
                         .with_source(std::io::Error::from(e))
                     })?;
             let st = rustix::fs::fstat(&file).map_err(io("inspecting a peer's memfd"))?;
-            if st.st_dev != dev || st.st_ino != ino || st.st_size as u64 != size {
+            let sealed = rustix::fs::fcntl_get_seals(&file)
+                .is_ok_and(|s| s.contains(SealFlags::SHRINK | SealFlags::GROW));
+            if st.st_dev != dev || st.st_ino != ino || st.st_size as u64 != size || !sealed {
                 return Err(Error::new(
                     ErrorKind::Protocol,
-                    format!("stand-in device: {path} is not the memory the handle names"),
+                    format!("stand-in device: {path} is not the sealed memory the handle names"),
                 ));
             }
             let mut shared = Shared::map(file, size as usize)?;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::{Shared, corrupt, wake};
 use crate::device::{DeviceBody, Gpu, IPC_CUDA, IpcHandle};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::message::Body;
 use crate::transport::shm::device::{DEVICE_SLOTS, DeviceRecord};
 
@@ -175,22 +175,22 @@ pub(super) struct Told {
     export: bool,
 }
 
-/// The receiver's side: where device bodies land, and the device that maps lent ones.
+/// The receiver's side: where device bodies land, and the devices that map lent ones.
 #[derive(Default)]
 pub(super) struct Landing {
     /// Where the application wants bodies sent from device memory.
     now: Option<Gpu>,
-    /// The last device this side told the peer it maps: bodies the peer lent before a change
-    /// of landing are mapped with it.
-    maps: Option<Gpu>,
+    /// By kind of handle, the last device this side told the peer it maps: bodies the peer
+    /// lent before a change of landing are mapped with it.
+    maps: [Option<Gpu>; 3],
 }
 
 impl Landing {
     /// The application changed where bodies land: the peer is told which kind this side maps.
     pub(super) fn set(&mut self, sh: &Shared, gpu: Option<&Gpu>) {
         let kind = gpu.map_or(0, |g| g.backend().ipc_kind());
-        if kind != 0 {
-            self.maps = gpu.cloned();
+        if let Some(slot) = self.maps.get_mut(usize::from(kind)).filter(|_| kind != 0) {
+            *slot = gpu.cloned();
         }
         self.now = gpu.cloned();
         sh.in_ring().devices().set_landing(kind);
@@ -205,18 +205,25 @@ impl Landing {
             sh: sh.clone(),
             slot,
         };
-        let gpu = self
-            .maps
-            .as_ref()
-            .ok_or_else(|| corrupt("a device body lent although this side never mapped any"))?;
         let rec = sh
             .in_ring()
             .devices()
             .read(slot)
-            .filter(|r| r.len == len && r.kind == gpu.backend().ipc_kind())
+            .filter(|r| r.len == len)
             .ok_or_else(|| {
                 corrupt(format!(
-                    "device-table slot {slot} does not hold a body of {len} bytes of {gpu:?}"
+                    "device-table slot {slot} does not hold a body of {len} bytes"
+                ))
+            })?;
+        let gpu = self
+            .maps
+            .get(usize::from(rec.kind))
+            .and_then(Option::as_ref)
+            .filter(|_| rec.kind != 0)
+            .ok_or_else(|| {
+                corrupt(format!(
+                    "a device body of kind {} lent, which this side never said it maps",
+                    rec.kind
                 ))
             })?;
         let handle = IpcHandle {
@@ -225,7 +232,20 @@ impl Landing {
             offset: rec.offset,
             len: rec.len,
         };
-        let body = crate::device::import(gpu, &handle, Box::new(borrowed))?;
+        let body =
+            crate::device::import(gpu, &handle, sh.peer_pid, Box::new(borrowed)).map_err(|e| {
+                // Nothing more is lent to a side that cannot map it (what is in flight fails
+                // the same way).
+                sh.in_ring().devices().set_landing(0);
+                let what = format!(
+                    "a device body of {len} bytes lent by {} over CUDA IPC could not be mapped \
+                     on {gpu:?}, so the channel ends (a receiver that lands in host memory gets \
+                     bodies staged instead)",
+                    sh.peer
+                );
+                tracing::error!(peer = %sh.peer, error = %e, "{what}");
+                Error::new(e.kind(), what).with_source(e)
+            })?;
         if self.now.is_none() {
             // Host memory was asked for since the peer lent it: copy, and give it back.
             return Ok(Body::from(body.to_host()?));

@@ -198,7 +198,9 @@ impl Shared {
     fn fail(&self, why: String) {
         tracing::warn!(peer = %self.peer, "closing shared-memory channel: {why}");
         let _ = self.fault.set(why);
-        let _ = rustix::net::shutdown(&self.uds, rustix::net::Shutdown::Both);
+        // Our side only: the peer sees it close; its closing, in turn, is what says it let go
+        // of what we lent it.
+        let _ = rustix::net::shutdown(&self.uds, rustix::net::Shutdown::Write);
         self.mark_gone();
     }
 
@@ -283,6 +285,30 @@ impl Shared {
 /// are lent (feature `cuda`) it also listens on the space socket, where the peer says it
 /// released one, and drops our reference to each released body.
 async fn watch(sh: Arc<Shared>) {
+    let ended = watch_peer(&sh).await;
+    if let Ended::Peer = ended {
+        sh.mark_gone();
+    }
+    // Our halves may be gone, or the connection failed, while the peer still maps bodies we
+    // lent: they are kept until it gives them back or its end of the socket closes.
+    #[cfg(feature = "cuda")]
+    linger(&sh).await;
+    if let Ended::Peer = ended {
+        // Nothing reads the socket from here on: what the peer still sends fails at once
+        // instead of filling the socket and blocking it.
+        let _ = rustix::net::shutdown(&sh.uds, rustix::net::Shutdown::Read);
+    }
+}
+
+/// Why the watcher stopped watching.
+enum Ended {
+    /// Our last half was dropped.
+    Halves,
+    /// The peer is gone, silent or failed.
+    Peer,
+}
+
+async fn watch_peer(sh: &Shared) -> Ended {
     let mut record = [0u8; ExtRecord::LEN];
     let mut got = 0;
     let mut fds = Vec::new();
@@ -294,25 +320,22 @@ async fn watch(sh: Arc<Shared>) {
         #[cfg(not(feature = "cuda"))]
         let lending = false;
         tokio::select! {
-            () = sh.done.notified() => return,
-            r = sh.uds.readable() => if r.is_err() { break },
-            () = lent_changed(&sh) => continue,
+            () = sh.done.notified() => return Ended::Halves,
+            r = sh.uds.readable() => if r.is_err() { return Ended::Peer },
+            () = lent_changed(sh) => continue,
             r = sh.space.readable(), if lending => {
-                if let Ok(mut guard) = r {
-                    // Drained here, so the Sender (parked on the same socket, or about to)
-                    // is woken in process: it registered before it looked for room.
-                    if drain(&sh, guard.get_inner()) {
-                        guard.clear_ready();
-                    }
+                let Ok(mut guard) = r else { return Ended::Peer };
+                // Drained here, so the Sender (parked on the same socket, or about to) is
+                // woken in process: it registered before it looked for room.
+                let drained = drain(sh, guard.get_inner());
+                if drained == Some(true) {
+                    guard.clear_ready();
                 }
                 #[cfg(feature = "cuda")]
                 sh.sweep_lent();
                 sh.tx_waker.wake();
-                if sh.gone() {
-                    // Its end of the pair closed: with its process or its last mapping.
-                    #[cfg(feature = "cuda")]
-                    sh.release_all_lent();
-                    break;
+                if drained.is_none() {
+                    return Ended::Peer;
                 }
                 continue;
             }
@@ -327,8 +350,10 @@ async fn watch(sh: Arc<Shared>) {
                         let e = sh.live.lost(&who, silent);
                         tracing::warn!(peer = %sh.peer, "closing shared-memory channel: {e:#}");
                         let _ = sh.silent.set(e);
-                        let _ = rustix::net::shutdown(&sh.uds, rustix::net::Shutdown::Both);
-                        break;
+                        // Our side only: its closing is what says the peer let go of what
+                        // we lent it.
+                        let _ = rustix::net::shutdown(&sh.uds, rustix::net::Shutdown::Write);
+                        return Ended::Peer;
                     }
                 }
                 continue;
@@ -346,7 +371,7 @@ async fn watch(sh: Arc<Shared>) {
                 // it mapped, is gone.
                 #[cfg(feature = "cuda")]
                 sh.release_all_lent();
-                break;
+                return Ended::Peer;
             }
             Ok(n) => {
                 got += n;
@@ -354,16 +379,58 @@ async fn watch(sh: Arc<Shared>) {
                     got = 0;
                     if let Err(e) = sh.accept_external(&record, fds.pop()) {
                         sh.fail(e.to_string());
-                        return;
+                        return Ended::Peer;
                     }
                     sh.rx_waker.wake();
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(_) => break,
+            Err(_) => {
+                #[cfg(feature = "cuda")]
+                sh.release_all_lent();
+                return Ended::Peer;
+            }
         }
     }
-    sh.mark_gone();
+}
+
+/// While bodies are lent after the connection ended for us: sweeps what the peer gives
+/// back, lets go of everything when its socket closes (its process, or its last mapping, is
+/// gone). What it still sends on the socket is read and dropped (descriptors passed along
+/// are closed by the kernel: no room for them).
+#[cfg(feature = "cuda")]
+async fn linger(sh: &Shared) {
+    let mut buf = [0u8; 512];
+    while sh.lending() {
+        tokio::select! {
+            r = sh.uds.readable() => {
+                if r.is_err() {
+                    break;
+                }
+                let res = sh.uds.try_io(Interest::READABLE, || {
+                    rustix::net::recv(sh.uds.as_fd(), &mut buf, RecvFlags::DONTWAIT)
+                        .map(|(n, _)| n)
+                        .map_err(Into::into)
+                });
+                match res {
+                    Ok(0) => break,
+                    Err(e) if e.kind() != std::io::ErrorKind::WouldBlock => break,
+                    _ => {}
+                }
+            }
+            () = lent_changed(sh) => {}
+            r = sh.space.readable() => {
+                let Ok(mut guard) = r else { break };
+                match drain(sh, guard.get_inner()) {
+                    Some(true) => guard.clear_ready(),
+                    Some(false) => {}
+                    None => break,
+                }
+                sh.sweep_lent();
+            }
+        }
+    }
+    sh.release_all_lent();
 }
 
 /// Waits for a wake-up on one of our wake sockets: Ready once one came (drained). A closed
@@ -371,7 +438,7 @@ async fn watch(sh: Arc<Shared>) {
 fn poll_wake(sh: &Shared, fd: &AsyncFd<OwnedFd>, cx: &mut Context<'_>) -> Poll<Result<()>> {
     match fd.poll_read_ready(cx) {
         Poll::Ready(Ok(mut guard)) => {
-            if drain(sh, fd.get_ref()) {
+            if drain(sh, fd.get_ref()) == Some(true) {
                 guard.clear_ready();
             }
             // The caller looks again; a spurious wake-up is harmless.
@@ -382,25 +449,26 @@ fn poll_wake(sh: &Shared, fd: &AsyncFd<OwnedFd>, cx: &mut Context<'_>) -> Poll<R
     }
 }
 
-/// Reads up to [`WAKE_DRAIN`] wake-ups from one of our wake sockets. True when it is empty
-/// now (its readiness may be cleared); a closed peer end marks the peer gone.
-fn drain(sh: &Shared, fd: &OwnedFd) -> bool {
+/// Reads up to [`WAKE_DRAIN`] wake-ups from one of our wake sockets: `Some(true)` when it is
+/// empty now (its readiness may be cleared), `Some(false)` when more may wait, `None` when
+/// the peer's end closed (the peer is marked gone).
+fn drain(sh: &Shared, fd: &OwnedFd) -> Option<bool> {
     let mut buf = [0u8; 8];
     for _ in 0..WAKE_DRAIN {
         match rustix::net::recv(fd, &mut buf[..], RecvFlags::DONTWAIT) {
             Ok((0, _)) => {
                 sh.mark_gone();
-                return false;
+                return None;
             }
             Ok(_) | Err(rustix::io::Errno::INTR) => {}
-            Err(rustix::io::Errno::AGAIN) => return true,
+            Err(rustix::io::Errno::AGAIN) => return Some(true),
             Err(_) => {
                 sh.mark_gone();
-                return false;
+                return None;
             }
         }
     }
-    false
+    Some(false)
 }
 
 /// Completes when the first device body is lent (never without the feature).

@@ -263,11 +263,12 @@ impl RecvHalf for ShmReceiver {
             Poll::Ready(Some(Ok(m))) => Poll::Ready(Some(Ok(m))),
             Poll::Ready(other) => {
                 self.done = true;
-                if let Some(Err(e)) = &other
-                    && e.is_protocol()
-                {
-                    tracing::warn!(peer = %self.sh.peer, "closing shared-memory channel: {e:#}");
-                    // Stop the peer: nothing it sends will be read.
+                if let Some(Err(e)) = &other {
+                    if e.is_protocol() {
+                        tracing::warn!(peer = %self.sh.peer, "closing shared-memory channel: {e:#}");
+                    }
+                    // Stop the peer: nothing it sends will be read (it fails instead of
+                    // waiting for room that never comes).
                     self.ring.close();
                     wake(&self.sh.space);
                 }

@@ -138,10 +138,21 @@ impl ShmSender {
         self.external_sent.saturating_sub(released)
     }
 
+    /// [`write_one`](Self::write_one); after an error (the connection is broken) no prepared
+    /// device body is left to be matched with a later message.
+    fn write(&mut self, msg: Message) -> Result<std::result::Result<(), (Message, NoRoom)>> {
+        let r = self.write_one(msg);
+        #[cfg(feature = "cuda")]
+        if r.is_err() {
+            self.prepared.clear();
+        }
+        r
+    }
+
     /// Writes `msg` into the ring and arena, or hands it back with what was missing. Whatever
     /// is missing is found before anything of the message is written, except arena room for
     /// the body after its head took a block (that block is released again).
-    fn write(&mut self, msg: Message) -> Result<std::result::Result<(), (Message, NoRoom)>> {
+    fn write_one(&mut self, msg: Message) -> Result<std::result::Result<(), (Message, NoRoom)>> {
         if self.ring.free().map_err(corrupt)? == 0 {
             return Ok(Err((msg, NoRoom::Ring)));
         }
@@ -199,7 +210,14 @@ impl ShmSender {
         };
         let bytes = || body.as_bytes().expect("host bodies only");
         match plan.body {
-            BodyPlace::Empty if lent => self.lend(&mut d, body)?,
+            BodyPlace::Empty if lent => {
+                if let Err(e) = self.lend(&mut d, body) {
+                    if let Some(h) = head_block {
+                        arena::release(&self.refs, h);
+                    }
+                    return Err(e);
+                }
+            }
             BodyPlace::Empty => {}
             BodyPlace::Inline => {
                 d.inline(bytes());
@@ -244,10 +262,17 @@ impl ShmSender {
     /// by `takes_device`).
     #[cfg(feature = "cuda")]
     fn lend(&mut self, d: &mut desc::Builder, body: &Body) -> Result<()> {
-        let rec = self
-            .prepared
-            .pop_front()
-            .expect("takes_device prepared every device body it let through");
+        // `takes_device` prepared every device body it let through, unless an error broke
+        // the connection since (`write` then drops what was prepared).
+        let rec = self.prepared.pop_front().ok_or_else(|| {
+            Error::new(
+                ErrorKind::ConnectionLost,
+                format!(
+                    "the channel to {} failed before a device body was lent",
+                    self.sh.peer
+                ),
+            )
+        })?;
         let slot = self
             .sh
             .lend(body.as_device().expect("a device body"), &rec)?;
