@@ -52,6 +52,8 @@ pub(crate) struct DeviceTable {
     slots: [DeviceSlot; DEVICE_SLOTS],
 }
 
+// (loom's atomics are larger: the layout holds for the real ones.)
+#[cfg(not(hyperframes_loom))]
 const _: () = assert!(std::mem::size_of::<DeviceSlot>() == 96);
 
 /// What names a lent body: the device kind, the handle, where the body is in the allocation.
@@ -90,6 +92,32 @@ impl DeviceRecord {
     }
 }
 
+impl DeviceSlot {
+    /// The sender lends the slot: the record, then the count.
+    fn lend(&self, rec: &DeviceRecord) {
+        for (a, w) in self.record.iter().zip(rec.words()) {
+            a.store(w, Ordering::Relaxed);
+        }
+        self.refs.store(1, Ordering::Relaxed);
+    }
+
+    fn is_free(&self) -> bool {
+        // SYNC POINT with the `refs` store in `release`: the receiver's use of the record
+        // and of the mapping happens before the sender reuses the slot or frees the memory.
+        self.refs.load(Ordering::Acquire) == 0
+    }
+
+    fn read(&self) -> Option<DeviceRecord> {
+        let w = std::array::from_fn(|k| self.record[k].load(Ordering::Relaxed));
+        DeviceRecord::from_words(&w)
+    }
+
+    fn release(&self) {
+        // SYNC POINT with the `refs` load in `is_free`.
+        self.refs.store(0, Ordering::Release);
+    }
+}
+
 impl DeviceTable {
     /// The receiver says which handles it maps (0: none).
     pub(crate) fn set_landing(&self, kind: u8) {
@@ -103,32 +131,24 @@ impl DeviceTable {
 
     /// True when the receiver is done with slot `i` (or never took it).
     pub(crate) fn is_free(&self, i: usize) -> bool {
-        // SYNC POINT with the `refs` store in `release`: the receiver's use of the mapping
-        // happens before the sender frees the memory behind it.
-        self.slots[i].refs.load(Ordering::Acquire) == 0
+        self.slots[i].is_free()
     }
 
-    /// The sender lends slot `i`: the record, then the count. The descriptor that names the
-    /// slot is published after (Release), so the receiver sees both.
+    /// The sender lends slot `i`. The descriptor that names the slot is published after
+    /// (Release), so the receiver sees the record and the count.
     pub(crate) fn lend(&self, i: usize, rec: &DeviceRecord) {
-        let slot = &self.slots[i];
-        for (a, w) in slot.record.iter().zip(rec.words()) {
-            a.store(w, Ordering::Relaxed);
-        }
-        slot.refs.store(1, Ordering::Relaxed);
+        self.slots[i].lend(rec);
     }
 
     /// The receiver reads slot `i` (checked below [`DEVICE_SLOTS`] by the descriptor check),
     /// after the descriptor that names it.
     pub(crate) fn read(&self, i: usize) -> Option<DeviceRecord> {
-        let w = std::array::from_fn(|k| self.slots[i].record[k].load(Ordering::Relaxed));
-        DeviceRecord::from_words(&w)
+        self.slots[i].read()
     }
 
     /// The receiver is done with slot `i`.
     pub(crate) fn release(&self, i: usize) {
-        // SYNC POINT with the `refs` load in `is_free`.
-        self.slots[i].refs.store(0, Ordering::Release);
+        self.slots[i].release();
     }
 }
 
@@ -152,5 +172,61 @@ mod tests {
         let mut w = rec.words();
         w[0] = 256;
         assert_eq!(DeviceRecord::from_words(&w), None);
+    }
+}
+
+#[cfg(all(test, hyperframes_loom))]
+mod loom_models {
+    use super::*;
+    use crate::loom::sync::UnsafeCell;
+    use loom::sync::Arc;
+
+    fn slot() -> DeviceSlot {
+        DeviceSlot {
+            refs: AtomicU32::new(0),
+            _pad: AtomicU32::new(0),
+            record: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+
+    fn rec(n: u8) -> DeviceRecord {
+        DeviceRecord {
+            kind: 1,
+            handle: [n; 64],
+            offset: u64::from(n),
+            len: u64::from(n) * 10,
+        }
+    }
+
+    /// A slot is lent, its descriptor published; the receiver reads the record, uses the
+    /// lent memory and releases the slot, while the sender sweeps, frees the memory (here:
+    /// writes it, which loom checks against the receiver's read) and lends the slot again.
+    /// The memory is touched by the sender only after the receiver's last use of it, and the
+    /// receiver reads the first record whole.
+    #[test]
+    fn lent_memory_is_freed_only_after_the_receiver_let_go() {
+        loom::model(|| {
+            let slot = Arc::new(slot());
+            // Stands for the descriptor's sequence word (`ring::Slot`).
+            let published = Arc::new(AtomicU64::new(0));
+            // Stands for the device memory lent.
+            let memory = Arc::new(UnsafeCell::new(7u64));
+            slot.lend(&rec(1));
+            published.store(1, Ordering::Release);
+            let (s, p, m) = (slot.clone(), published.clone(), memory.clone());
+            let receiver = loom::thread::spawn(move || {
+                assert_eq!(p.load(Ordering::Acquire), 1);
+                assert_eq!(s.read(), Some(rec(1)));
+                // SAFETY: loom's cell checks this read against the sender's write.
+                assert_eq!(m.with(|v| unsafe { *v }), 7);
+                s.release();
+            });
+            if slot.is_free() {
+                // SAFETY: as above.
+                memory.with_mut(|v| unsafe { *v = 0 });
+                slot.lend(&rec(2));
+            }
+            receiver.join().unwrap();
+        });
     }
 }
