@@ -694,48 +694,46 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
     }
     bar.finish_and_clear();
 
-    // The ceiling for bandwidth: one memcpy in this process, measured now.
-    let bw_sizes: Vec<usize> = rows
+    // The ceiling for bandwidth, measured now: one memcpy in this process, or a copy on the
+    // device for device bodies.
+    if let Some(size) = rows
         .iter()
         .filter(|r| r.pattern == Pattern::Bw)
         .map(|r| r.size)
-        .collect();
-    if let Some(&size) = bw_sizes.iter().max()
-        && let Some(gpu) = &settings.device
+        .max()
     {
-        // Device bodies: the ceiling is a copy on the device.
-        match device::copy_gbytes_per_s(gpu, size) {
-            Ok(copy) => {
+        let (what, gbytes_per_s) = match &settings.device {
+            Some(gpu) => (
+                format!(
+                    "device-to-device copy of {} on {}",
+                    report::size_label(size),
+                    args.device.as_deref().unwrap_or_default()
+                ),
+                device::copy_gbytes_per_s(gpu, size),
+            ),
+            None => (
+                format!(
+                    "memcpy of {} from 8 buffers in turn, in one process",
+                    report::size_label(size)
+                ),
+                Ok(memcpy_gbytes_per_s(size)),
+            ),
+        };
+        match gbytes_per_s {
+            Ok(base) => {
                 let ratios: Vec<String> = rows
                     .iter()
                     .filter(|r| r.pattern == Pattern::Bw && r.size == size)
-                    .map(|r| format!("{} {:.2}×", r.transport, r.outcome.gbytes_per_s / copy))
+                    .map(|r| format!("{} {:.2}×", r.transport, r.outcome.gbytes_per_s / base))
                     .collect();
                 say!(
-                    "baseline: device-to-device copy of {} on {}: {copy:.2} GB/s; bw {} \
-                     against it: {}",
-                    report::size_label(size),
-                    args.device.as_deref().unwrap_or_default(),
+                    "baseline: {what}: {base:.2} GB/s; bw {} against it: {}",
                     report::size_label(size),
                     ratios.join(", ")
                 );
             }
-            Err(e) => say!("baseline: the device-to-device copy failed: {e}"),
+            Err(e) => say!("baseline: the {what} failed: {e}"),
         }
-    } else if let Some(&size) = bw_sizes.iter().max() {
-        let memcpy = memcpy_gbytes_per_s(size);
-        let ratios: Vec<String> = rows
-            .iter()
-            .filter(|r| r.pattern == Pattern::Bw && r.size == size)
-            .map(|r| format!("{} {:.2}×", r.transport, r.outcome.gbytes_per_s / memcpy))
-            .collect();
-        say!(
-            "baseline: memcpy of {} from 8 buffers in turn, in one process: {memcpy:.2} GB/s; \
-             bw {} against it: {}",
-            report::size_label(size),
-            report::size_label(size),
-            ratios.join(", ")
-        );
     }
     for e in engines.iter().chain(&notes_after) {
         say!("note: {e:#}");
