@@ -236,6 +236,40 @@ async fn a_lent_body_outlives_the_senders_channel() {
     drop(b);
 }
 
+/// A receiving context that does not map lent memory (`shm_cuda_ipc(false)`) gets device
+/// bodies staged, landing on its device all the same; so does one that admits peers of any
+/// user (the default follows zero copy).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_without_cuda_ipc_stages() {
+    for builder in [
+        Context::builder().shm_cuda_ipc(false),
+        Context::builder().shm_allow_any_user(true),
+    ] {
+        let (ours, theirs) = (Gpu::stand_in(), Gpu::stand_in());
+        let l_ctx = builder
+            .shm_segment(256, 4 << 20)
+            .land_on(theirs.clone())
+            .build()
+            .unwrap();
+        let mut l = l_ctx.bind(&url("shm")).await.unwrap();
+        let at = l.local_url().to_owned();
+        let c_ctx = shm_ctx();
+        let (a, b) = tokio::join!(c_ctx.connect(&at), l.accept());
+        let (mut a, mut b) = (a.unwrap(), b.unwrap());
+        let bytes = pattern(200_000, 4);
+        let m = Message::new("n.dev")
+            .unwrap()
+            .with_body(ours.upload(&bytes).unwrap());
+        timeout(GUARD, a.send(m)).await.unwrap().unwrap();
+        let m = timeout(GUARD, b.recv()).await.unwrap().unwrap().unwrap();
+        assert_eq!(m.body().location(), Location::StandIn);
+        assert_eq!(m.body().as_device().unwrap().to_host().unwrap(), bytes);
+        assert_eq!(a.info().device_path(), "staged");
+        assert_eq!(a.info().device_bodies().staged, 1);
+        assert_eq!(a.info().device_bodies().lent, 0);
+    }
+}
+
 /// A body lent while the receiver landed on a device, received after it switched to host
 /// memory: copied to the host and given back. The next body is staged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

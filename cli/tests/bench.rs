@@ -322,6 +322,30 @@ fn device_bodies_on_every_path() {
         // Only the first body of a point is copied back and checked.
         assert_eq!(p["verified"], false, "{p}");
     }
+
+    // Staged over shm too, on request.
+    let out = run(hf().args([
+        "bench",
+        "--device",
+        "stand-in",
+        "--no-cuda-ipc",
+        "--duration",
+        "0.2",
+        "--warmup",
+        "20",
+        "--transport",
+        "shm",
+        "--pattern",
+        "bw",
+        "--size",
+        "64KiB",
+    ]));
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(
+        stdout.contains("note: shm: device bodies: 0 lent (cuda-ipc)"),
+        "{stdout}"
+    );
 }
 
 #[cfg(not(feature = "cuda"))]

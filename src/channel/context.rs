@@ -421,6 +421,20 @@ impl ContextBuilder {
         self
     }
 
+    /// Whether device bodies a `shm://` peer sends are mapped from its memory (CUDA IPC; see
+    /// [`crate::device`]) when a channel lands bodies on a device, rather than staged through
+    /// host memory. Like [`shm_zero_copy`](Self::shm_zero_copy), it hands the application
+    /// memory the peer can write, so by default it is on for a peer of this user and off for
+    /// one admitted with [`shm_allow_any_user`](Self::shm_allow_any_user). Off also where the
+    /// peers cannot map each other's device memory (containers without a shared IPC
+    /// namespace, GPUs without peer access): a body that cannot be mapped ends the channel.
+    #[cfg(all(feature = "shm", feature = "cuda"))]
+    #[cfg_attr(docsrs, doc(cfg(all(feature = "shm", feature = "cuda"))))]
+    pub fn shm_cuda_ipc(mut self, on: bool) -> Self {
+        self.cfg.shm.cuda_ipc = Some(on);
+        self
+    }
+
     /// `rdma://` (feature `rdma`): receive buffers posted per connection (the peer's
     /// credits; default 64) and their size in bytes (default 8704). Messages whose type,
     /// metadata and body fit one buffer go in one send; larger bodies by rendezvous (the

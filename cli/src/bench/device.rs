@@ -39,13 +39,22 @@ pub(crate) fn open(spec: &str) -> Result<Gpu, Failure> {
     )))
 }
 
-/// Received bodies land on `gpu` (the kind of device the sender's bodies are on).
-pub(crate) fn land(b: ContextBuilder, gpu: Option<&Gpu>) -> ContextBuilder {
+/// Received bodies land on `gpu` (the kind of device the sender's bodies are on); with
+/// `ipc` false, `shm://` stages them instead of mapping the sender's memory.
+pub(crate) fn land(b: ContextBuilder, gpu: Option<&Gpu>, ipc: bool) -> ContextBuilder {
     match gpu {
-        #[cfg(feature = "cuda")]
-        Some(g) => b.land_on(g.clone()),
+        #[cfg(all(feature = "cuda", feature = "shm"))]
+        Some(g) => b.land_on(g.clone()).shm_cuda_ipc(ipc),
+        #[cfg(all(feature = "cuda", not(feature = "shm")))]
+        Some(g) => {
+            let _ = ipc;
+            b.land_on(g.clone())
+        }
         #[cfg(not(feature = "cuda"))]
-        Some(g) => match *g {},
+        Some(g) => {
+            let _ = ipc;
+            match *g {}
+        }
         None => b,
     }
 }

@@ -110,6 +110,11 @@ pub(crate) struct BenchArgs {
     #[arg(long, value_name = "DEVICE", conflicts_with = "zero_copy")]
     device: Option<String>,
 
+    /// With --device: shm:// stages device bodies instead of lending them over CUDA IPC (to
+    /// compare the two paths).
+    #[arg(long, requires = "device")]
+    no_cuda_ipc: bool,
+
     /// A fixed offered load in messages per second, instead of as fast as possible.
     #[arg(long, value_name = "MSGS_PER_S")]
     rate: Option<f64>,
@@ -281,11 +286,15 @@ fn pin(cpu: usize) -> Result<(), Failure> {
 }
 
 fn context(
-    busy_poll: bool,
+    args: &BenchArgs,
     tls: &crate::tls::TlsArgs,
     gpu: Option<&device::Gpu>,
 ) -> Result<Context, Failure> {
-    let b = device::land(Context::builder().busy_poll(busy_poll), gpu);
+    let b = device::land(
+        Context::builder().busy_poll(args.busy_poll),
+        gpu,
+        !args.no_cuda_ipc,
+    );
     crate::build_context(tls.apply(b)?)
 }
 
@@ -318,7 +327,7 @@ async fn serve(args: &BenchArgs, url: &str) -> Result<(), Failure> {
     Endpoint::parse(url).map_err(Failure::usage)?;
     args.tls.check(url, true)?;
     let gpu = args.device.as_deref().map(device::open).transpose()?;
-    let ctx = context(args.busy_poll, &args.tls, gpu.as_ref())?;
+    let ctx = context(args, &args.tls, gpu.as_ref())?;
     let mut listener = ctx
         .bind(url)
         .await
@@ -366,6 +375,9 @@ impl PeerProcess {
         }
         if let Some(d) = &args.device {
             cmd.arg(format!("--device={d}"));
+        }
+        if args.no_cuda_ipc {
+            cmd.arg("--no-cuda-ipc");
         }
         if let Some(cpu) = args.pin.get(1) {
             cmd.arg(format!("--pin={cpu}"));
@@ -540,7 +552,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
     let tls = throwaway.as_ref().map_or(&args.tls, |t| &t.args).clone();
     #[cfg(not(feature = "tls"))]
     let tls = args.tls.clone();
-    let ctx = context(args.busy_poll, &tls, settings.device.as_ref())?;
+    let ctx = context(args, &tls, settings.device.as_ref())?;
 
     // What to run against: a remote peer, or a local one per transport.
     let mut targets: Vec<(String, Option<String>)> = Vec::new();
@@ -785,6 +797,9 @@ fn settings_label(args: &BenchArgs) -> String {
     }
     if let Some(d) = &args.device {
         parts.push(format!("device bodies ({d})"));
+    }
+    if args.no_cuda_ipc {
+        parts.push("no CUDA IPC".into());
     }
     if let Some(r) = args.rate {
         parts.push(format!("offered {r} msg/s"));

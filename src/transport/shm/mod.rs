@@ -85,6 +85,9 @@ pub(crate) struct ShmConfig {
     pub(crate) any_uid: bool,
     /// Zero-copy views of shared memory; `None`: for same-user peers only.
     pub(crate) zero_copy: Option<bool>,
+    /// Device bodies the peer lends are mapped (CUDA IPC); `None`: as `zero_copy`.
+    #[cfg(feature = "cuda")]
+    pub(crate) cuda_ipc: Option<bool>,
 }
 
 impl Default for ShmConfig {
@@ -94,6 +97,8 @@ impl Default for ShmConfig {
             arena_bytes: 32 << 20,
             any_uid: false,
             zero_copy: None,
+            #[cfg(feature = "cuda")]
+            cuda_ipc: None,
         }
     }
 }
@@ -137,7 +142,7 @@ fn parts(
 ) -> Parts {
     Parts {
         tx: Box::new(ShmSender::new(sh.clone(), cfg.linger, cfg.count.clone())),
-        rx: Box::new(ShmReceiver::new(sh, cfg.limits)),
+        rx: Box::new(ShmReceiver::new(sh, cfg.limits, maps_device_bodies(cfg))),
         transport: "shm",
         local: url.to_owned(),
         peer,
@@ -145,6 +150,18 @@ fn parts(
         peer_identity: None,
         keepalive: None,
         setup: super::ChannelSetup::new(cfg, false),
+    }
+}
+
+/// Whether device bodies the peer lends are mapped (CUDA IPC): like zero copy, memory the
+/// peer can write is handed to the application.
+fn maps_device_bodies(cfg: &Config) -> bool {
+    #[cfg(feature = "cuda")]
+    return cfg.shm.cuda_ipc.unwrap_or_else(|| zero_copy(cfg));
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = cfg;
+        false
     }
 }
 

@@ -176,8 +176,9 @@ pub(super) struct Told {
 }
 
 /// The receiver's side: where device bodies land, and the devices that map lent ones.
-#[derive(Default)]
 pub(super) struct Landing {
+    /// Lent bodies may be mapped at all (`ContextBuilder::shm_cuda_ipc`).
+    allowed: bool,
     /// Where the application wants bodies sent from device memory.
     now: Option<Gpu>,
     /// By kind of handle, the last device this side told the peer it maps: bodies the peer
@@ -186,9 +187,19 @@ pub(super) struct Landing {
 }
 
 impl Landing {
+    pub(super) fn new(allowed: bool) -> Landing {
+        Landing {
+            allowed,
+            now: None,
+            maps: Default::default(),
+        }
+    }
+
     /// The application changed where bodies land: the peer is told which kind this side maps.
     pub(super) fn set(&mut self, sh: &Shared, gpu: Option<&Gpu>) {
-        let kind = gpu.map_or(0, |g| g.backend().ipc_kind());
+        let kind = gpu
+            .filter(|_| self.allowed)
+            .map_or(0, |g| g.backend().ipc_kind());
         if let Some(slot) = self.maps.get_mut(usize::from(kind)).filter(|_| kind != 0) {
             *slot = gpu.cloned();
         }

@@ -63,7 +63,10 @@ enum Step {
 }
 
 impl ShmReceiver {
-    pub(crate) fn new(sh: Arc<Shared>, limits: Limits) -> ShmReceiver {
+    /// `lend`: device bodies the peer lends are mapped (this side says it maps them when it
+    /// lands on a device); otherwise they come staged.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(crate) fn new(sh: Arc<Shared>, limits: Limits, lend: bool) -> ShmReceiver {
         let refs = sh.seg.arena(sh.in_dir);
         ShmReceiver {
             ring: ring::Consumer::new(sh.in_ring()),
@@ -79,7 +82,7 @@ impl ShmReceiver {
             chunk: Chunk::default(),
             done: false,
             #[cfg(feature = "cuda")]
-            landing: Default::default(),
+            landing: super::lend::Landing::new(lend),
         }
     }
 
