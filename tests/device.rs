@@ -168,14 +168,21 @@ fn shm_ctx() -> Context {
         .unwrap()
 }
 
+/// Two stand-in devices, the sender's and the receiver's, and a `shm://` channel whose
+/// receiving end (`b`) lands bodies on the second.
+async fn lending_pair() -> (Gpu, Gpu, Channel, Channel) {
+    let (ours, theirs) = (Gpu::stand_in(), Gpu::stand_in());
+    let (a, mut b) = pair(&shm_ctx(), "shm").await;
+    b.halves_mut().1.land_on(Some(theirs.clone()));
+    (ours, theirs, a, b)
+}
+
 /// `shm://` to a receiver that lands on a device: bodies are lent (CUDA IPC on a GPU; the
 /// stand-in's memfds here), never staged, and the sender's memory stays allocated until the
 /// receiver drops what it mapped, and no longer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shm_lends_device_memory_until_the_receiver_drops_it() {
-    let (ours, theirs) = (Gpu::stand_in(), Gpu::stand_in());
-    let (mut a, mut b) = pair(&shm_ctx(), "shm").await;
-    b.halves_mut().1.land_on(Some(theirs.clone()));
+    let (ours, theirs, mut a, mut b) = lending_pair().await;
     let mut got = Vec::new();
     // The last is larger than the arena: lending does not care.
     for (i, len) in [1usize, 4097, (5 << 20) + 5].into_iter().enumerate() {
@@ -213,9 +220,7 @@ async fn shm_lends_device_memory_until_the_receiver_drops_it() {
 /// the halves while bodies are lent).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lent_body_outlives_the_senders_channel() {
-    let (ours, theirs) = (Gpu::stand_in(), Gpu::stand_in());
-    let (mut a, mut b) = pair(&shm_ctx(), "shm").await;
-    b.halves_mut().1.land_on(Some(theirs.clone()));
+    let (ours, _theirs, mut a, mut b) = lending_pair().await;
     let bytes = pattern(100_000, 3);
     let m = Message::new("o.dev")
         .unwrap()
@@ -274,9 +279,7 @@ async fn shm_without_cuda_ipc_stages() {
 /// memory: copied to the host and given back. The next body is staged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shm_lent_body_follows_a_change_of_landing() {
-    let (ours, theirs) = (Gpu::stand_in(), Gpu::stand_in());
-    let (mut a, mut b) = pair(&shm_ctx(), "shm").await;
-    b.halves_mut().1.land_on(Some(theirs.clone()));
+    let (ours, _theirs, mut a, mut b) = lending_pair().await;
     let bytes = pattern(70_000, 1);
     let body = Message::new("c.dev")
         .unwrap()

@@ -66,7 +66,17 @@ pub struct ChannelStats {
     pub received_bytes: u64,
 }
 
-/// Names of the paths of device bodies, by the number `DeviceTally` keeps.
+/// The paths of device bodies; `DeviceTally` keeps the last as its number (0: none yet).
+#[cfg(feature = "cuda")]
+#[derive(Clone, Copy)]
+#[repr(u8)]
+enum DevicePath {
+    InProcess = 1,
+    Staged = 2,
+    Lent = 3,
+}
+
+/// Names of the paths of device bodies, by their number.
 #[cfg(feature = "cuda")]
 const DEVICE_PATHS: [&str; 4] = ["", "in-process", "staged", "cuda-ipc"];
 
@@ -96,13 +106,13 @@ struct DeviceTally {
 
 #[cfg(feature = "cuda")]
 impl DeviceTally {
-    /// A body of `len` bytes took `path` (1..=3); empty ones are not told.
-    fn note(&self, path: u8, len: u64) {
+    /// A body of `len` bytes took `path`; empty ones are not told.
+    fn note(&self, path: DevicePath, len: u64) {
         if len == 0 {
             return;
         }
-        self.last.store(path, Ordering::Relaxed);
-        let c = &self.counts[usize::from(path) - 1];
+        self.last.store(path as u8, Ordering::Relaxed);
+        let c = &self.counts[path as usize - 1];
         c.store(c.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
     }
 }
@@ -153,11 +163,12 @@ impl ChannelInfo {
     /// See [`crate::device`].
     #[cfg(feature = "cuda")]
     pub fn device_path(&self) -> &'static str {
-        match self.device.last.load(Ordering::Relaxed) {
-            0 if self.transport == "inproc" => DEVICE_PATHS[1],
-            0 => DEVICE_PATHS[2],
-            i => DEVICE_PATHS[usize::from(i)],
-        }
+        let last = match self.device.last.load(Ordering::Relaxed) {
+            0 if self.transport == "inproc" => DevicePath::InProcess as u8,
+            0 => DevicePath::Staged as u8,
+            p => p,
+        };
+        DEVICE_PATHS[usize::from(last)]
     }
 
     /// How many bodies in device memory the [`Sender`] sent by each path (bodies of 0 bytes
@@ -165,11 +176,11 @@ impl ChannelInfo {
     /// in a log line.
     #[cfg(feature = "cuda")]
     pub fn device_bodies(&self) -> DeviceBodies {
-        let n = |p: usize| self.device.counts[p - 1].load(Ordering::Relaxed);
+        let n = |p: DevicePath| self.device.counts[p as usize - 1].load(Ordering::Relaxed);
         DeviceBodies {
-            in_process: n(1),
-            staged: n(2),
-            lent: n(3),
+            in_process: n(DevicePath::InProcess),
+            staged: n(DevicePath::Staged),
+            lent: n(DevicePath::Lent),
         }
     }
 
@@ -455,13 +466,13 @@ impl Sender {
         #[cfg(feature = "cuda")]
         if let Some(device) = msg.body().as_device() {
             if !self.stage.wants(&msg) {
-                path = Some(1);
+                path = Some(DevicePath::InProcess);
             } else if self.half.takes_device(device) {
                 // Lent: the half takes it as it is.
-                path = Some(3);
+                path = Some(DevicePath::Lent);
             } else {
                 self.stage.start(&mut *self.half, msg, &self.info.peer)?;
-                self.info.device.note(2, bytes);
+                self.info.device.note(DevicePath::Staged, bytes);
                 self.info.sent.add(1, bytes);
                 return Ok(());
             }

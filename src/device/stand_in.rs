@@ -320,34 +320,26 @@ impl Drop for Host {
 #[cfg(feature = "shm")]
 mod ipc {
     use std::os::fd::{AsRawFd, OwnedFd};
-    use std::ptr::NonNull;
 
     use rustix::fs::{MemfdFlags, Mode, OFlags, SealFlags};
-    use rustix::mm::{MapFlags, ProtFlags};
 
     use crate::device::{IPC_STAND_IN, IpcHandle};
     use crate::error::{Error, ErrorKind, Result};
+    use crate::transport::shm::Mapping;
 
-    /// A memfd mapped shared, read and write, unmapped on drop.
+    /// A memfd mapped shared, read and write (`shm`'s own mapping, unmapped on drop).
     pub(super) struct Shared {
         /// The exporter's memfd, named by its handle; an importer needs only the mapping.
         fd: Option<OwnedFd>,
-        ptr: NonNull<u8>,
-        len: usize,
+        map: Mapping,
     }
-
-    // SAFETY: the mapping is owned (unmapped once, in `Drop`) and only reached through raw
-    // copies made under `Memory`'s lock.
-    unsafe impl Send for Shared {}
-    // SAFETY: as above.
-    unsafe impl Sync for Shared {}
 
     fn io(what: &str) -> impl Fn(rustix::io::Errno) -> Error + '_ {
         move |e| Error::io(format!("stand-in device: {what}"), e.into())
     }
 
     impl Shared {
-        /// A memfd holding a copy of `bytes`.
+        /// A memfd holding a copy of `bytes` (not empty: an empty body is never lent).
         pub(super) fn create(bytes: &[u8]) -> Result<Shared> {
             let fd = rustix::fs::memfd_create(
                 "hyperframes-stand-in",
@@ -358,40 +350,21 @@ mod ipc {
             // Its size is fixed: an importer's mapping cannot be cut short under it (SIGBUS).
             rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
                 .map_err(io("sealing a memfd"))?;
-            let shared = Shared::map(fd, bytes.len())?;
-            // SAFETY: a fresh private mapping of `bytes.len()` bytes nobody else has yet.
+            let shared = Shared::map(fd, bytes.len() as u64)?;
+            // SAFETY: a fresh mapping of `bytes.len()` bytes nobody else has yet.
             unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), shared.base(), bytes.len()) };
             Ok(shared)
         }
 
-        fn map(fd: OwnedFd, len: usize) -> Result<Shared> {
-            let ptr = if len == 0 {
-                NonNull::dangling()
-            } else {
-                // SAFETY: a new mapping at an address the kernel picks aliases nothing; `len`
-                // is the file's size (set or checked by the callers).
-                let p = unsafe {
-                    rustix::mm::mmap(
-                        std::ptr::null_mut(),
-                        len,
-                        ProtFlags::READ | ProtFlags::WRITE,
-                        MapFlags::SHARED,
-                        &fd,
-                        0,
-                    )
-                }
-                .map_err(io("mapping a memfd"))?;
-                NonNull::new(p.cast::<u8>()).expect("mmap does not return null")
-            };
-            Ok(Shared {
-                fd: Some(fd),
-                ptr,
-                len,
-            })
+        /// Maps all `len` bytes of `fd` (its size, set or checked by the callers).
+        fn map(fd: OwnedFd, len: u64) -> Result<Shared> {
+            let map = Mapping::new(&fd, len, true)
+                .map_err(|e| Error::io("stand-in device: mapping a memfd", e))?;
+            Ok(Shared { fd: Some(fd), map })
         }
 
         pub(super) fn base(&self) -> *mut u8 {
-            self.ptr.as_ptr()
+            self.map.base()
         }
 
         /// pid, descriptor, device and inode of the memfd, and its size.
@@ -414,7 +387,7 @@ mod ipc {
             h[4..8].copy_from_slice(&fd.as_raw_fd().to_ne_bytes());
             h[8..16].copy_from_slice(&st.st_dev.to_ne_bytes());
             h[16..24].copy_from_slice(&st.st_ino.to_ne_bytes());
-            h[24..32].copy_from_slice(&(self.len as u64).to_ne_bytes());
+            h[24..32].copy_from_slice(&(self.map.len() as u64).to_ne_bytes());
             Ok(h)
         }
 
@@ -457,20 +430,10 @@ mod ipc {
                     format!("stand-in device: {path} is not the sealed memory the handle names"),
                 ));
             }
-            let mut shared = Shared::map(file, size as usize)?;
+            let mut shared = Shared::map(file, size)?;
             // The mapping holds the memory: no descriptor kept per lent body.
             shared.fd = None;
             Ok(shared)
-        }
-    }
-
-    impl Drop for Shared {
-        fn drop(&mut self) {
-            if self.len > 0 {
-                // SAFETY: mapped by `map` with this length, unmapped once; nothing points
-                // into it any more (the `Memory` that owns it is being dropped).
-                let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
-            }
         }
     }
 }

@@ -51,6 +51,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::transport::heartbeat::Liveness;
 use conn::{Setup, Shared, ShmReceiver, ShmSender};
 use rendezvous::Hello;
+/// A shared mapping of a file (the stand-in device maps its memfds with it).
+#[cfg(feature = "cuda")]
+pub(crate) use segment::Mapping;
 use segment::{Geometry, Segment};
 
 /// Handshakes a listener runs at once; further connections wait in the kernel's backlog. Each

@@ -32,7 +32,7 @@ use futures_util::task::AtomicWaker;
 use rustix::fs::SealFlags;
 use rustix::net::{RecvFlags, SendFlags};
 use tokio::io::Interest;
-use tokio::io::unix::AsyncFd;
+use tokio::io::unix::{AsyncFd, AsyncFdReadyGuard};
 use tokio::net::UnixStream;
 
 use super::rendezvous::{self, ExtRecord};
@@ -325,16 +325,11 @@ async fn watch_peer(sh: &Shared) -> Ended {
             () = lent_changed(sh) => continue,
             r = sh.space.readable(), if lending => {
                 let Ok(mut guard) = r else { return Ended::Peer };
+                let open = take_releases(sh, &mut guard);
                 // Drained here, so the Sender (parked on the same socket, or about to) is
                 // woken in process: it registered before it looked for room.
-                let drained = drain(sh, guard.get_inner());
-                if drained == Some(true) {
-                    guard.clear_ready();
-                }
-                #[cfg(feature = "cuda")]
-                sh.sweep_lent();
                 sh.tx_waker.wake();
-                if drained.is_none() {
+                if !open {
                     return Ended::Peer;
                 }
                 continue;
@@ -366,13 +361,8 @@ async fn watch_peer(sh: &Shared) -> Ended {
                 .map_err(Into::into)
         });
         match res {
-            Ok(0) => {
-                // The peer closed its end: its process, or its last half and the last body
-                // it mapped, is gone.
-                #[cfg(feature = "cuda")]
-                sh.release_all_lent();
-                return Ended::Peer;
-            }
+            // The peer closed its end (`linger` sees it too, and lets go of what was lent).
+            Ok(0) => return Ended::Peer,
             Ok(n) => {
                 got += n;
                 if got == ExtRecord::LEN {
@@ -385,13 +375,21 @@ async fn watch_peer(sh: &Shared) -> Ended {
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(_) => {
-                #[cfg(feature = "cuda")]
-                sh.release_all_lent();
-                return Ended::Peer;
-            }
+            Err(_) => return Ended::Peer,
         }
     }
+}
+
+/// Takes the peer's wake-ups on the space socket and drops what it released (while bodies
+/// are lent). False when the peer's end of the pair closed.
+fn take_releases(sh: &Shared, guard: &mut AsyncFdReadyGuard<'_, OwnedFd>) -> bool {
+    let drained = drain(sh, guard.get_inner());
+    if drained == Some(true) {
+        guard.clear_ready();
+    }
+    #[cfg(feature = "cuda")]
+    sh.sweep_lent();
+    drained.is_some()
 }
 
 /// While bodies are lent after the connection ended for us: sweeps what the peer gives
@@ -418,15 +416,11 @@ async fn linger(sh: &Shared) {
                     _ => {}
                 }
             }
-            () = lent_changed(sh) => {}
             r = sh.space.readable() => {
                 let Ok(mut guard) = r else { break };
-                match drain(sh, guard.get_inner()) {
-                    Some(true) => guard.clear_ready(),
-                    Some(false) => {}
-                    None => break,
+                if !take_releases(sh, &mut guard) {
+                    break;
                 }
-                sh.sweep_lent();
             }
         }
     }
