@@ -9,12 +9,14 @@
 //! * `channel_alloc`: default settings (up to 16 MiB of bodies read ahead of the receiver,
 //!   so several 4 MiB pool buffers take turns and fall out of cache);
 //! * `channel_alloc_1deep`: `recv_queue_bytes` of one body (one pool buffer, reused hot);
+//! * `channel_heap`: as `channel_alloc` with a body in ordinary heap memory (`Bytes`);
 //! * `protocol_only`: the simulation checks keys and bounds but moves no body bytes — what
 //!   the protocol, the driver and the channel cost per 4 MiB message, without the copy.
 //!
-//! Bodies are allocated in registered memory (`Sender::alloc`) and sent without a copy; the
-//! receiver drops each body (returning its pool buffer) without reading it. A summary with
-//! ratios to memcpy is printed at the end.
+//! Each body is registered where it lies for the peer's read (its own registration, until
+//! the `FIN`), so both kinds of body are sent without a copy; the receiver drops each body
+//! (returning its pool buffer) without reading it. A summary with ratios to memcpy is printed
+//! at the end.
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -70,15 +72,19 @@ struct Setup {
     _keep: (Receiver, Sender),
 }
 
-fn setup(rt: &tokio::runtime::Runtime, cfg: RdmaConfig, sim: SimConfig) -> Setup {
+fn setup(rt: &tokio::runtime::Runtime, cfg: RdmaConfig, sim: SimConfig, heap: bool) -> Setup {
     let (a, b) = pair(rt, cfg, sim);
     let (mut tx, ra) = a.split();
     let (tb, rx) = b.split();
-    let body = rt.block_on(async {
-        let mut body = tx.alloc(BIG).await.unwrap();
-        body.fill(5);
-        body.freeze()
-    });
+    let body = if heap {
+        bytes::Bytes::from(vec![5u8; BIG]).into()
+    } else {
+        rt.block_on(async {
+            let mut body = tx.alloc(BIG).await.unwrap();
+            body.fill(5);
+            body.freeze()
+        })
+    };
     Setup {
         tx,
         rx: Some(rx),
@@ -101,6 +107,7 @@ fn main() {
     common::bench_memcpy(&mut g, group, BIG);
     let variants = [
         ("channel_alloc", RdmaConfig::default(), SimConfig::default()),
+        ("channel_heap", RdmaConfig::default(), SimConfig::default()),
         (
             "channel_alloc_1deep",
             RdmaConfig {
@@ -120,7 +127,7 @@ fn main() {
     ];
     let mut small_setup = None;
     for (name, cfg, sim) in variants {
-        let mut s = setup(&rt, cfg, sim);
+        let mut s = setup(&rt, cfg, sim, name == "channel_heap");
         g.bench_function(name, |b| {
             b.iter_custom(|n| {
                 let d = stream(&rt, &mut s.tx, &mut s.rx, &s.big, n);
@@ -157,7 +164,12 @@ fn main() {
             "\nrdma_sim, 4 MiB messages (memcpy of 4 MiB: {:.1} GB/s)",
             gb(m)
         );
-        for f in ["channel_alloc", "channel_alloc_1deep", "protocol_only"] {
+        for f in [
+            "channel_alloc",
+            "channel_heap",
+            "channel_alloc_1deep",
+            "protocol_only",
+        ] {
             if let Some(r) = per_second("rdma_sim_4MiB", f) {
                 println!("  {f:<20} {:>7.1} GB/s  {:>5.2}x memcpy", gb(r), r / m);
             }

@@ -350,45 +350,103 @@ async fn an_unread_receiver_does_not_stall_its_own_sender() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn alloc_sends_registered_memory_without_copy_and_reuses_it() {
+async fn each_rendezvous_body_is_lent_alone_until_its_fin() {
     let (a, b, sa, sb) = pair(small_cfg(), SimConfig::default()).await;
     let (mut tx, _ra) = a.split();
     let (_tb, mut rx) = b.split();
-    let mut before = (0, 0);
+    let mut before = 0;
+    let mut sent: Vec<Bytes> = Vec::new();
     for round in 0..2u64 {
         let n = if round == 0 { 8 } else { 64 };
         for i in 0..n {
-            let mut body = tx.alloc(1 << 20).await.unwrap();
-            body.fill(i as u8);
-            tx.send(Message::new("test.alloc").unwrap().with_body(body.freeze()))
+            // `alloc`'d and plain bodies alike are registered where they lie.
+            let body = if i % 2 == 0 {
+                let mut body = tx.alloc(1 << 20).await.unwrap();
+                body.fill(i as u8);
+                body.freeze()
+            } else {
+                Bytes::from(vec![i as u8; (1 << 20) + 3]).into()
+            };
+            if round == 1 && i == 0 {
+                sent.push(body.as_bytes().unwrap().clone());
+            }
+            tx.send(Message::new("test.alloc").unwrap().with_body(body))
                 .await
                 .unwrap();
             let m = timeout(GUARD, rx.recv()).await.unwrap().unwrap().unwrap();
             let b = m.body().as_bytes().unwrap();
-            assert_eq!(b.len(), 1 << 20);
+            assert!(b.len() >= 1 << 20);
             assert!(b.iter().all(|&x| x == i as u8), "body {i}");
         }
         if round == 0 {
-            before = (sa.stats().registrations, sb.stats().registrations);
+            before = sb.stats().registrations;
         }
     }
-    // Bodies came from and went back to the pools: after warming up, 64 more messages
-    // register (almost) nothing new.
-    let (ra, rb) = (sa.stats().registrations, sb.stats().registrations);
-    assert!(
-        ra - before.0 <= 4,
-        "sender registered {} more",
-        ra - before.0
-    );
-    assert!(
-        rb - before.1 <= 4,
-        "receiver registered {} more",
-        rb - before.1
-    );
-    assert!(
-        sa.stats().reads == 0 && sb.stats().reads >= 72,
-        "bodies went by RDMA read"
-    );
+    // The sender registered each body once, for exactly its bytes, at the body itself (no
+    // copy into registered memory)...
+    let st = sa.stats();
+    assert_eq!(st.exposures, 72, "{st:?}");
+    let regions = sa.exposed_regions();
+    let first = regions[regions.len() - 64];
+    assert_eq!(first.addr, sent[0].as_ptr() as u64, "lent in place");
+    assert_eq!(first.len, 1 << 20, "the key covers the body alone");
+    // ... and deregistered each at its FIN.
+    let t0 = std::time::Instant::now();
+    while sa.stats().exposed != 0 {
+        assert!(t0.elapsed() < GUARD, "bodies still lent: {:?}", sa.stats());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The receiver reads into its pool, reused: after warming up, 64 more messages register
+    // (almost) nothing new.
+    let rb = sb.stats().registrations - before;
+    assert!(rb <= 4, "receiver registered {rb} more");
+    assert!(sb.stats().reads >= 72, "bodies went by RDMA read");
+    // A peer that kept a key reaches nothing with it after the FIN.
+    let l = sb.register(1 << 20, Access::LOCAL).unwrap();
+    let e = sb.post_read(l, first).await.unwrap_err();
+    assert_eq!(e.status, WcStatus::RemoteAccess, "{e}");
+    assert!(e.detail.contains("unknown rkey"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lent_body_is_readable_only_within_its_bytes() {
+    // The receiver's reads complete late (so its FINs do): the bodies stay lent a while, and
+    // the key it learned reaches the body's bytes and not one more.
+    let (a, b, sa, sb) = pair(small_cfg(), SimConfig::default()).await;
+    sb.set_faults(Faults {
+        delay: Some((Duration::from_secs(3), Duration::from_secs(3))),
+        ..Faults::default()
+    });
+    let (mut tx, _ra) = a.split();
+    let (_tb, _rx) = b.split();
+    let body = Bytes::from(vec![7u8; 100_000]);
+    let whole = Bytes::from(vec![0u8; 1 << 20]);
+    // A body that is a slice of a larger buffer: the rest of the buffer stays private.
+    let body2 = whole.slice(4096..4096 + 100_000);
+    tx.send(Message::new("t").unwrap().with_body(body.clone()))
+        .await
+        .unwrap();
+    tx.send(Message::new("t").unwrap().with_body(body2.clone()))
+        .await
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while sa.stats().exposures < 2 {
+        assert!(t0.elapsed() < GUARD);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let r = sa.exposed_regions()[1];
+    assert_eq!((r.addr, r.len), (body2.as_ptr() as u64, 100_000));
+    let beyond = RemoteRegion {
+        addr: r.addr - 8,
+        len: 8,
+        ..r
+    };
+    assert_eq!(sa.stats().exposed, 200_000, "both still lent when probed");
+    let l = sb.register(4096, Access::LOCAL).unwrap();
+    // Checked when posted (the answer comes late, with the other delayed completions).
+    let e = sb.post_read(l, beyond).await.unwrap_err();
+    assert_eq!(e.status, WcStatus::RemoteAccess, "{e}");
+    assert!(e.detail.contains("outside"), "{e}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

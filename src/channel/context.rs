@@ -448,10 +448,11 @@ impl ContextBuilder {
         self
     }
 
-    /// `rdma://` (feature `rdma`): registered memory each connection may pin for bodies
-    /// (sent by rendezvous, and received), in bytes. Default 256 MiB, registered as needed
-    /// and reused; at least one `max_body` (rounded up to a power of two). When it is used
-    /// up, senders wait (backpressure), nothing fails.
+    /// `rdma://` (feature `rdma`): registered memory each connection may pin for bodies, in
+    /// bytes, per direction: bodies lent to the peer by rendezvous (each registered where it
+    /// lies until the peer has read it) and the pool bodies are received into (registered as
+    /// needed and reused). Default 256 MiB; at least one `max_body` (rounded up to a power of
+    /// two). When it is used up, senders wait (backpressure), nothing fails.
     #[cfg(feature = "rdma")]
     #[cfg_attr(docsrs, doc(cfg(feature = "rdma")))]
     pub fn rdma_pool_bytes(mut self, bytes: u64) -> Self {

@@ -29,7 +29,9 @@ use async_rdma::{
 };
 
 use super::setup::{self, Endpoint, Placement};
-use super::verbs::{Access, Completion, Region, RemoteRegion, VerbOp, Verbs, VerbsError, WcStatus};
+use super::verbs::{
+    Access, Completion, Region, RemoteRegion, Source, VerbOp, Verbs, VerbsError, WcStatus,
+};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::{AcceptHalf, Config, Parts};
 
@@ -116,6 +118,7 @@ fn remote_mr(r: RemoteRegion) -> RemoteMr {
 
 impl Verbs for ArVerbs {
     type Mr = ArMr;
+    type Exposed = ArMr;
 
     fn register(&self, len: usize, access: Access) -> std::result::Result<ArMr, VerbsError> {
         let mut flags = AccessFlag::LocalWrite.into();
@@ -136,6 +139,18 @@ impl Verbs for ArVerbs {
                     "{e:#} (is the locked-memory limit, `ulimit -l`, large enough?)"
                 ))
             })
+    }
+
+    /// async-rdma registers only memory it allocates: the body is copied into a fresh
+    /// region of its own (one registration per body, as on the other backend, at the cost
+    /// of a copy).
+    fn expose(&self, src: Source) -> std::result::Result<(ArMr, RemoteRegion), VerbsError> {
+        let mut mr = self.register(src.len(), Access::REMOTE_READ)?;
+        match &src {
+            Source::Host(b) => mr.as_mut_slice()[..b.len()].copy_from_slice(b),
+        }
+        let region = mr.remote(0, src.len());
+        Ok((mr, region))
     }
 
     fn post_recv(&self, buf: ArMr) -> Completion<(ArMr, usize)> {

@@ -3,9 +3,10 @@
 //!
 //! The driver owns the [`Connection`], the receive and send buffers, the in-flight
 //! operations (a `FuturesUnordered` of completions) and the rendezvous bodies the peer may
-//! still read. Each wake-up it: takes completions and feeds them to the core; hands
-//! messages from the `Sender` to the core while the core may queue (credits) and the pool has
-//! room for bodies that must be copied into registered memory; fetches announced bodies
+//! still read, each registered on its own for exactly its bytes until the peer's `FIN`.
+//! Each wake-up it: takes completions and feeds them to the core; hands messages from the
+//! `Sender` to the core while the core may queue (credits) and the bodies lent stay within
+//! the registered-memory budget (a body is registered where it is: no copy); fetches announced bodies
 //! into pool buffers while the pool has room; moves delivered messages to the `Receiver`
 //! while its queue has room (a full queue stops reposting receives, which stops the peer's
 //! credits: backpressure end to end); transmits what the core gives.
@@ -32,10 +33,10 @@ use futures_util::task::AtomicWaker;
 
 use super::pool::{Lease, Pool, PoolError};
 use super::proto::{self, Connection, Params, ProtoError, ReadRequest};
-use super::verbs::{Access, Region, Verbs, VerbsError};
+use super::verbs::{Access, Region, Source, Verbs, VerbsError};
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::Limits;
-use crate::message::{Body, BodyMut, LeaseTag, LentMut, Message};
+use crate::message::Message;
 use crate::transport::heartbeat::{self, Silence};
 use crate::transport::{RecvHalf, SendHalf};
 
@@ -51,9 +52,11 @@ pub struct RdmaConfig {
     /// Bytes per receive buffer: messages up to this size (header, type, meta, body) go
     /// eagerly in one send; larger bodies by rendezvous. Default 8 KiB + 512.
     pub slot_size: u32,
-    /// Registered-memory budget for bodies, per connection and per direction: one pool for
-    /// bodies sent by rendezvous (and `Sender::alloc`), one for bodies received, so that
-    /// neither direction can starve the other. Default 256 MiB each, registered as needed.
+    /// Registered-memory budget for bodies, per connection and per direction, so that
+    /// neither direction can starve the other: bodies sent by rendezvous (each registered
+    /// where it lies, for exactly its bytes, until the peer has read it; sending waits while
+    /// the budget is lent out), and a pool of buffers for bodies received (registered once,
+    /// reused). Default 256 MiB each.
     pub pool_bytes: u64,
     /// Messages queued between the `Sender` and the driver. Default 64.
     pub send_queue: usize,
@@ -178,19 +181,10 @@ enum Done<M> {
 
 type OpFuture<M> = Pin<Box<dyn Future<Output = Done<M>> + Send>>;
 
-/// Memory a rendezvous body of ours lives in, kept until the peer's `FIN`.
-enum Held<V: Verbs> {
-    /// A body leased from our pool (sent without a copy); the clone keeps it alive.
-    Body(#[allow(dead_code)] Body),
-    /// A pool buffer the body was copied into.
-    Lease(#[allow(dead_code)] Lease<V>),
-}
-
 /// The connection task.
 pub(crate) struct Driver<V: Verbs> {
     verbs: Arc<V>,
     conn: Connection,
-    pool: Pool<V>,
     rx_pool: Pool<V>,
     sh: Arc<Shared>,
     ops: FuturesUnordered<OpFuture<V::Mr>>,
@@ -199,7 +193,11 @@ pub(crate) struct Driver<V: Verbs> {
     send_total: usize,
     inflight: usize,
     recv_held: VecDeque<(V::Mr, usize)>,
-    held: HashMap<u64, Held<V>>,
+    /// Rendezvous bodies of ours the peer may read, each registered on its own
+    /// ([`Verbs::expose`]) until its `FIN`: the key dies with the entry.
+    held: HashMap<u64, (V::Exposed, usize)>,
+    /// Bytes in `held` (at most `pool_bytes`, but always one body).
+    held_bytes: usize,
     reads_waiting: VecDeque<ReadRequest>,
     reading: HashMap<u64, Lease<V>>,
     /// Body bytes being fetched (announced, not yet read).
@@ -254,7 +252,7 @@ impl<V: Verbs> Driver<V> {
         verbs: Arc<V>,
         cfg: RdmaConfig,
         peer: String,
-    ) -> Result<(Driver<V>, Arc<Shared>, Pool<V>)> {
+    ) -> Result<(Driver<V>, Arc<Shared>)> {
         cfg.validate()?;
         let reg = |len: usize, access: Access| {
             verbs
@@ -287,7 +285,6 @@ impl<V: Verbs> Driver<V> {
             let buf = reg(cfg.slot_size as usize, Access::LOCAL)?;
             ops.push(recv_op(&*verbs, buf));
         }
-        let pool = Pool::new(verbs.clone(), cfg.pool_bytes, Access::REMOTE_READ);
         // RDMA read targets need local write access only.
         let rx_pool = Pool::new(verbs.clone(), cfg.pool_bytes, Access::LOCAL);
         let sh = Arc::new(Shared {
@@ -297,7 +294,6 @@ impl<V: Verbs> Driver<V> {
         });
         let d = Driver {
             conn: Connection::new(params),
-            pool: pool.clone(),
             rx_pool,
             sh: sh.clone(),
             ops,
@@ -306,6 +302,7 @@ impl<V: Verbs> Driver<V> {
             inflight: 0,
             recv_held: VecDeque::new(),
             held: HashMap::new(),
+            held_bytes: 0,
             reads_waiting: VecDeque::new(),
             reading: HashMap::new(),
             rx_pending: 0,
@@ -323,7 +320,7 @@ impl<V: Verbs> Driver<V> {
             cfg,
             verbs,
         };
-        Ok((d, sh, pool))
+        Ok((d, sh))
     }
 
     fn fail(&mut self, e: Error) -> Poll<()> {
@@ -461,32 +458,30 @@ impl<V: Verbs> Driver<V> {
                     self.conn.send_eager(msg);
                 } else {
                     let len = msg.body().len();
-                    let own = msg
-                        .body()
-                        .lease_tag()
-                        .and_then(|t| self.pool.region_of_tag(t.region, t.offset, len));
-                    let (region, held) = match own {
-                        Some(region) => (region, Held::Body(msg.body().clone())),
-                        None => match self.pool.try_alloc(len) {
-                            Ok(Some(mut lease)) => {
-                                let src = msg.body().as_bytes().map(|b| b.as_ref()).unwrap_or(&[]);
-                                lease.bytes_mut().copy_from_slice(src);
-                                let region = lease.mr().expect("fresh lease").remote(0, len);
-                                (region, Held::Lease(lease))
-                            }
-                            Ok(None) => {
-                                // Pool exhausted: backpressure until a buffer returns.
-                                self.pool.notify_on_release(cx.waker());
-                                break;
-                            }
-                            Err(e) => {
-                                return Err(Error::new(ErrorKind::LimitExceeded, e.to_string()));
-                            }
-                        },
-                    };
+                    if len as u64 > self.cfg.pool_bytes {
+                        return Err(Error::new(
+                            ErrorKind::LimitExceeded,
+                            format!(
+                                "a {len}-byte body exceeds the registered-memory budget of {} \
+                                 bytes (pool_bytes)",
+                                self.cfg.pool_bytes
+                            ),
+                        ));
+                    }
+                    if self.held_bytes > 0 && (self.held_bytes + len) as u64 > self.cfg.pool_bytes {
+                        // Backpressure until the peer's FINs let go of bodies it read (their
+                        // arrival runs this step again).
+                        break;
+                    }
+                    let bytes = msg.body().as_bytes().cloned().unwrap_or_default();
+                    let (exposed, region) = self
+                        .verbs
+                        .expose(Source::Host(bytes))
+                        .map_err(|e| verbs_error(e, &peer))?;
                     let msg = st.outq.pop_front().expect("front exists");
                     let rid = self.conn.send_rendezvous(msg, region);
-                    self.held.insert(rid, held);
+                    self.held.insert(rid, (exposed, len));
+                    self.held_bytes += len;
                 }
                 progress = true;
                 st.wake_tx();
@@ -539,7 +534,10 @@ impl<V: Verbs> Driver<V> {
 
         // Rendezvous bodies the peer is done with.
         while let Some(rid) = self.conn.poll_release() {
-            self.held.remove(&rid);
+            // Deregistered here: from now on the peer's key for it reaches nothing.
+            if let Some((_, len)) = self.held.remove(&rid) {
+                self.held_bytes -= len;
+            }
             progress = true;
         }
 
@@ -759,19 +757,15 @@ impl Shared {
 // User halves
 // ---------------------------------------------------------------------------------------
 
-pub(crate) struct RdmaSender<V: Verbs> {
+pub(crate) struct RdmaSender {
     sh: Arc<Shared>,
-    pool: Pool<V>,
-    eager_max: usize,
     send_queue: usize,
 }
 
-impl<V: Verbs> RdmaSender<V> {
-    pub(crate) fn new(sh: Arc<Shared>, pool: Pool<V>, cfg: &RdmaConfig) -> RdmaSender<V> {
+impl RdmaSender {
+    pub(crate) fn new(sh: Arc<Shared>, cfg: &RdmaConfig) -> RdmaSender {
         RdmaSender {
             sh,
-            pool,
-            eager_max: cfg.slot_size as usize,
             send_queue: cfg.send_queue,
         }
     }
@@ -793,7 +787,7 @@ impl<V: Verbs> RdmaSender<V> {
     }
 }
 
-impl<V: Verbs> SendHalf for RdmaSender<V> {
+impl SendHalf for RdmaSender {
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
         let mut st = lock(&self.sh.st);
         self.check(&st)?;
@@ -855,62 +849,15 @@ impl<V: Verbs> SendHalf for RdmaSender<V> {
         st.tx_waker = Some(cx.waker().clone());
         Poll::Pending
     }
-
-    fn poll_alloc(&mut self, cx: &mut Context<'_>, len: usize) -> Poll<Result<BodyMut>> {
-        self.check(&lock(&self.sh.st))?;
-        if len <= self.eager_max {
-            // Small bodies travel inside an eager send (one copy into the send buffer).
-            return Poll::Ready(Ok(BodyMut::zeroed(len)));
-        }
-        match self.pool.poll_alloc(cx, len) {
-            Poll::Ready(Ok(lease)) => {
-                let rkey = lease.mr().expect("fresh lease").remote(0, len);
-                let tag = LeaseTag {
-                    region: self.pool.tag_region(rkey.rkey),
-                    offset: rkey.addr,
-                };
-                Poll::Ready(Ok(BodyMut::lent(Box::new(PoolBodyMut { lease, tag }))))
-            }
-            Poll::Ready(Err(e)) => {
-                Poll::Ready(Err(Error::new(ErrorKind::LimitExceeded, e.to_string())))
-            }
-            Poll::Pending => {
-                // Woken when a lease returns, or (through the sender's waker) on failure.
-                lock(&self.sh.st).tx_waker = Some(cx.waker().clone());
-                Poll::Pending
-            }
-        }
-    }
 }
 
-impl<V: Verbs> Drop for RdmaSender<V> {
+impl Drop for RdmaSender {
     fn drop(&mut self) {
         let mut st = lock(&self.sh.st);
         st.tx_gone = true;
         st.tx_closing = true;
         drop(st);
         self.sh.wake_driver();
-    }
-}
-
-/// A body being written in a registered pool buffer (`Sender::alloc`).
-struct PoolBodyMut<V: Verbs> {
-    lease: Lease<V>,
-    tag: LeaseTag,
-}
-
-impl<V: Verbs> LentMut for PoolBodyMut<V> {
-    fn as_slice(&self) -> &[u8] {
-        self.lease.bytes()
-    }
-
-    fn as_mut_slice(&mut self) -> &mut [u8] {
-        self.lease.bytes_mut()
-    }
-
-    fn freeze(self: Box<Self>) -> Body {
-        let tag = self.tag;
-        Body::leased(Bytes::from_owner(self.lease), tag)
     }
 }
 
@@ -965,13 +912,9 @@ impl Drop for RdmaReceiver {
 }
 
 /// Builds the halves for a driver that is running.
-pub(crate) fn halves<V: Verbs>(
-    sh: Arc<Shared>,
-    pool: Pool<V>,
-    cfg: &RdmaConfig,
-) -> (Box<dyn SendHalf>, Box<dyn RecvHalf>) {
+pub(crate) fn halves(sh: Arc<Shared>, cfg: &RdmaConfig) -> (Box<dyn SendHalf>, Box<dyn RecvHalf>) {
     (
-        Box::new(RdmaSender::new(sh.clone(), pool, cfg)),
+        Box::new(RdmaSender::new(sh.clone(), cfg)),
         Box::new(RdmaReceiver::new(sh)),
     )
 }

@@ -170,10 +170,10 @@ pub(crate) struct Started {
 /// receive queue empty.
 pub(crate) fn prepare<V: Verbs>(verbs: Arc<V>, cfg: RdmaConfig, peer: String) -> Result<Prepared> {
     runtime()?;
-    let (drv, sh, pool) = Driver::new(verbs, cfg.clone(), peer)?;
+    let (drv, sh) = Driver::new(verbs, cfg.clone(), peer)?;
     // The halves exist before the driver runs: dropping them (a failed or cancelled set-up)
     // is what tells the driver to stop.
-    let (tx, rx) = driver::halves(sh.clone(), pool, &cfg);
+    let (tx, rx) = driver::halves(sh.clone(), &cfg);
     Ok(Prepared {
         run: Box::pin(drv),
         started: Started {

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
-use super::verbs::{Access, Region, RemoteRegion, Verbs, VerbsError};
+use super::verbs::{Access, Region, Verbs, VerbsError};
 
 /// The smallest buffer the pool registers.
 pub const MIN_CLASS: usize = 4096;
@@ -214,27 +214,6 @@ impl<V: Verbs> Pool<V> {
             len,
             pool: self.inner.clone(),
         }
-    }
-
-    /// The tag a body leased from this pool carries (see `LeaseTag`): the pool's id and
-    /// the buffer's rkey in `region`, its address in `offset`.
-    pub(crate) fn tag_region(&self, rkey: u32) -> u64 {
-        (self.inner.id << 32) | u64::from(rkey)
-    }
-
-    /// The remote region of a body leased from this pool, from its tag; `None` when the tag
-    /// is another pool's.
-    pub(crate) fn region_of_tag(
-        &self,
-        region: u64,
-        offset: u64,
-        len: usize,
-    ) -> Option<RemoteRegion> {
-        (region >> 32 == self.inner.id).then_some(RemoteRegion {
-            addr: offset,
-            len: len as u64,
-            rkey: region as u32,
-        })
     }
 }
 

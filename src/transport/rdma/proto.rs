@@ -49,8 +49,9 @@
 //! * `RTS` (ready to send) announces a body the receiver fetches with an RDMA read of
 //!   `body_len` bytes at `addr`/`rkey`: the receiver learns type, meta and length first,
 //!   checks them against its limits, chooses where the body lands (a buffer of its pool),
-//!   reads, then answers `FIN` with the id, which frees the sender's buffer. Ids are unique
-//!   among the sender's outstanding rendezvous.
+//!   reads, then answers `FIN` with the id, on which the sender deregisters the body (its
+//!   `rkey` covers that body alone and dies with the `FIN`). Ids are unique among the
+//!   sender's outstanding rendezvous.
 //! * `CREDIT` only carries `acked`.
 //! * `CLOSE`: the sender's last message; the receiver's stream ends after what came before.
 //! * `STOP`: the sender's receiving half is gone; the peer's sending half fails with

@@ -41,7 +41,9 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::oneshot;
 
 use super::setup::{self, Endpoint, Placement};
-use super::verbs::{Access, Completion, Region, RemoteRegion, VerbOp, Verbs, VerbsError, WcStatus};
+use super::verbs::{
+    Access, Completion, Region, RemoteRegion, Source, VerbOp, Verbs, VerbsError, WcStatus,
+};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::{AcceptHalf, Config, Parts};
 
@@ -107,6 +109,13 @@ impl Region for SwMr {
             rkey: self.mr.rkey(),
         }
     }
+}
+
+/// Memory of ours lent to the peer ([`Verbs::expose`]). Fields drop in order: the
+/// registration goes before the memory it covers is let go.
+pub(crate) struct SwExposed {
+    _mr: Arc<MemoryRegion>,
+    _mem: Source,
 }
 
 /// What a completion hands back: the buffer and the bytes received, or why it failed.
@@ -445,6 +454,7 @@ async fn reap(cq: Arc<BasicCompletionQueue>, fd: AsyncFd<ChannelFd>, table: Tabl
 
 impl Verbs for SwVerbs {
     type Mr = SwMr;
+    type Exposed = SwExposed;
 
     fn register(&self, len: usize, access: Access) -> std::result::Result<SwMr, VerbsError> {
         let mut flags = AccessFlags::LocalWrite;
@@ -465,6 +475,30 @@ impl Verbs for SwVerbs {
             },
         )?;
         Ok(SwMr { mr, mem })
+    }
+
+    fn expose(&self, src: Source) -> std::result::Result<(SwExposed, RemoteRegion), VerbsError> {
+        let (addr, len) = match &src {
+            Source::Host(b) => (b.as_ptr() as u64, b.len()),
+        };
+        // SAFETY: `addr..addr + len` are the bytes of `src`, immutable and kept alive by the
+        // returned `SwExposed`, whose field order drops the registration first. Remote read
+        // is the only access granted: neither we nor the peer write them through it.
+        let mr = unsafe {
+            self.pd
+                .reg_mr(addr as usize, len.max(1), AccessFlags::RemoteRead)
+        }
+        .map_err(|e| {
+            VerbsError::new(VerbOp::Register, WcStatus::NoMemory).with_detail(format!(
+                "{e:#} (is the locked-memory limit, `ulimit -l`, large enough?)"
+            ))
+        })?;
+        let region = RemoteRegion {
+            addr,
+            len: len as u64,
+            rkey: mr.rkey(),
+        };
+        Ok((SwExposed { _mr: mr, _mem: src }, region))
     }
 
     fn post_recv(&self, buf: SwMr) -> Completion<(SwMr, usize)> {

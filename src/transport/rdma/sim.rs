@@ -35,7 +35,9 @@ use std::time::Duration;
 
 use futures_util::task::AtomicWaker;
 
-use super::verbs::{Access, Completion, Region, RemoteRegion, VerbOp, Verbs, VerbsError, WcStatus};
+use super::verbs::{
+    Access, Completion, Region, RemoteRegion, Source, VerbOp, Verbs, VerbsError, WcStatus,
+};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -91,16 +93,22 @@ pub struct SimStats {
     pub registered_peak: u64,
     /// Registrations made.
     pub registrations: u64,
+    /// Memory lent to the peer through [`Verbs::expose`] so far (registrations of their own).
+    pub exposures: u64,
+    /// Bytes lent through [`Verbs::expose`] and registered now.
+    pub exposed: u64,
 }
 
 // ---------------------------------------------------------------------------------------
 // Memory
 // ---------------------------------------------------------------------------------------
 
-/// A block of "pinned" memory.
+/// A block of "pinned" memory: allocated here, or someone else's lent by
+/// [`Verbs::expose`] (then `owner` keeps it alive, and it is never written).
 struct SimMem {
     ptr: NonNull<u8>,
     len: usize,
+    owner: Option<Box<dyn Send + Sync>>,
 }
 
 // SAFETY: `SimMem` owns its allocation; access to the bytes follows the verbs ownership
@@ -114,7 +122,20 @@ impl SimMem {
     fn new(len: usize) -> SimMem {
         let b: Box<[u8]> = vec![0u8; len].into_boxed_slice();
         let ptr = NonNull::new(Box::into_raw(b).cast::<u8>()).unwrap_or(NonNull::dangling());
-        SimMem { ptr, len }
+        SimMem {
+            ptr,
+            len,
+            owner: None,
+        }
+    }
+
+    /// `len` bytes at `ptr`, kept alive (and unchanged) by `owner`.
+    fn lent(ptr: *const u8, len: usize, owner: Box<dyn Send + Sync>) -> SimMem {
+        SimMem {
+            ptr: NonNull::new(ptr.cast_mut()).unwrap_or(NonNull::dangling()),
+            len,
+            owner: Some(owner),
+        }
     }
 
     fn addr(&self) -> u64 {
@@ -124,7 +145,8 @@ impl SimMem {
 
 impl Drop for SimMem {
     fn drop(&mut self) {
-        if self.len == 0 {
+        if self.len == 0 || self.owner.is_some() {
+            // Lent memory is its owner's to free (dropped with `self`).
             return;
         }
         // SAFETY: `ptr`/`len` came from `Box::into_raw` of a boxed slice of `len` bytes in
@@ -150,27 +172,62 @@ struct Pd {
     registered: AtomicU64,
 }
 
-/// A registered buffer of the simulation.
-pub struct SimMr {
-    mem: Arc<SimMem>,
+/// A registration in a protection domain: deregistered when dropped.
+struct Reg {
     rkey: u32,
+    len: usize,
     pd: Arc<Pd>,
     side: Arc<Side>,
 }
 
-impl fmt::Debug for SimMr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "SimMr(rkey {:#x}, {} bytes)", self.rkey, self.mem.len)
-    }
-}
-
-impl Drop for SimMr {
+impl Drop for Reg {
     fn drop(&mut self) {
         lock(&self.pd.regions).remove(&self.rkey);
         self.pd
             .registered
-            .fetch_sub(self.mem.len as u64, Ordering::Relaxed);
+            .fetch_sub(self.len as u64, Ordering::Relaxed);
         lock(&self.side.stats).registered = self.pd.registered.load(Ordering::Relaxed);
+    }
+}
+
+/// A registered buffer of the simulation.
+pub struct SimMr {
+    // Deregistered before the memory goes (field order).
+    reg: Reg,
+    mem: Arc<SimMem>,
+}
+
+impl fmt::Debug for SimMr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "SimMr(rkey {:#x}, {} bytes)",
+            self.reg.rkey, self.mem.len
+        )
+    }
+}
+
+/// Memory of ours lent to the peer ([`Verbs::expose`]); deregistered when dropped.
+pub struct SimExposed {
+    // Deregistered before the memory is let go (field order). A read already under way
+    // holds its own reference to the memory, as a NIC finishes a DMA it started.
+    reg: Reg,
+    mem: Arc<SimMem>,
+}
+
+impl fmt::Debug for SimExposed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "SimExposed(rkey {:#x}, {} bytes)",
+            self.reg.rkey, self.mem.len
+        )
+    }
+}
+
+impl Drop for SimExposed {
+    fn drop(&mut self) {
+        lock(&self.reg.side.stats).exposed -= self.mem.len as u64;
     }
 }
 
@@ -197,7 +254,7 @@ impl Region for SimMr {
         RemoteRegion {
             addr: self.mem.addr() + offset as u64,
             len: len as u64,
-            rkey: self.rkey,
+            rkey: self.reg.rkey,
         }
     }
 }
@@ -284,9 +341,14 @@ struct Side {
     counts: Mutex<HashMap<VerbOp, u64>>,
     rng: AtomicU64,
     stats: Mutex<SimStats>,
+    /// The last regions lent through `expose`, for tests to play a peer that keeps keys.
+    exposed_log: Mutex<VecDeque<RemoteRegion>>,
     cfg: SimConfig,
     name: &'static str,
 }
+
+/// How many lent regions a side remembers ([`SimVerbs::exposed_regions`]).
+const EXPOSED_LOG: usize = 64;
 
 impl Side {
     fn new(cfg: SimConfig, name: &'static str) -> Arc<Side> {
@@ -302,6 +364,7 @@ impl Side {
             counts: Mutex::new(HashMap::new()),
             rng: AtomicU64::new(0x9e37_79b9_7f4a_7c15),
             stats: Mutex::new(SimStats::default()),
+            exposed_log: Mutex::new(VecDeque::new()),
             cfg,
             name,
         })
@@ -410,6 +473,12 @@ impl SimVerbs {
         *lock(&self.me.stats)
     }
 
+    /// The regions this side lent the peer through [`Verbs::expose`] (the last 64), oldest
+    /// first: what a peer learned from our `RTS`s, for tests of what its keys still reach.
+    pub fn exposed_regions(&self) -> Vec<RemoteRegion> {
+        lock(&self.me.exposed_log).iter().copied().collect()
+    }
+
     /// True once this side's queue pair is in the error state (or dead).
     pub fn in_error(&self) -> bool {
         self.me.in_error()
@@ -475,6 +544,47 @@ impl SimVerbs {
             }
             _ => err("range outside the registered region"),
         }
+    }
+
+    /// Registers `mem` with `access` in our protection domain.
+    fn reg(&self, mem: &Arc<SimMem>, access: Access) -> Result<Reg, VerbsError> {
+        if self.me.in_error() && self.me.dead.load(Ordering::Acquire) {
+            return Err(VerbsError::new(VerbOp::Register, WcStatus::NoDevice).with_detail("dead"));
+        }
+        if let Some(e) = self.me.injected(VerbOp::Register) {
+            return Err(e);
+        }
+        let (pd, len) = (&self.me.pd, mem.len);
+        let now = pd.registered.fetch_add(len as u64, Ordering::Relaxed) + len as u64;
+        if let Some(limit) = self.me.cfg.memlock
+            && now > limit
+        {
+            pd.registered.fetch_sub(len as u64, Ordering::Relaxed);
+            return Err(
+                VerbsError::new(VerbOp::Register, WcStatus::NoMemory).with_detail(format!(
+                    "{len} bytes more would exceed the locked-memory limit of {limit}"
+                )),
+            );
+        }
+        let rkey = pd.next_key.fetch_add(1, Ordering::Relaxed);
+        lock(&pd.regions).insert(
+            rkey,
+            RegEntry {
+                mem: Arc::downgrade(mem),
+                access,
+            },
+        );
+        self.count(|s| {
+            s.registrations += 1;
+            s.registered = now;
+            s.registered_peak = s.registered_peak.max(now);
+        });
+        Ok(Reg {
+            rkey,
+            len,
+            pd: pd.clone(),
+            side: self.me.clone(),
+        })
     }
 
     fn count(&self, f: impl FnOnce(&mut SimStats)) {
@@ -556,46 +666,36 @@ impl Side {
 
 impl Verbs for SimVerbs {
     type Mr = SimMr;
+    type Exposed = SimExposed;
 
     fn register(&self, len: usize, access: Access) -> Result<SimMr, VerbsError> {
-        if self.me.in_error() && self.me.dead.load(Ordering::Acquire) {
-            return Err(VerbsError::new(VerbOp::Register, WcStatus::NoDevice).with_detail("dead"));
-        }
-        if let Some(e) = self.me.injected(VerbOp::Register) {
-            return Err(e);
-        }
-        let pd = &self.me.pd;
-        let now = pd.registered.fetch_add(len as u64, Ordering::Relaxed) + len as u64;
-        if let Some(limit) = self.me.cfg.memlock
-            && now > limit
-        {
-            pd.registered.fetch_sub(len as u64, Ordering::Relaxed);
-            return Err(
-                VerbsError::new(VerbOp::Register, WcStatus::NoMemory).with_detail(format!(
-                    "{len} bytes more would exceed the locked-memory limit of {limit}"
-                )),
-            );
-        }
         let mem = Arc::new(SimMem::new(len));
-        let rkey = pd.next_key.fetch_add(1, Ordering::Relaxed);
-        lock(&pd.regions).insert(
-            rkey,
-            RegEntry {
-                mem: Arc::downgrade(&mem),
-                access,
-            },
-        );
-        self.count(|s| {
-            s.registrations += 1;
-            s.registered = now;
-            s.registered_peak = s.registered_peak.max(now);
+        let reg = self.reg(&mem, access)?;
+        Ok(SimMr { reg, mem })
+    }
+
+    fn expose(&self, src: Source) -> Result<(SimExposed, RemoteRegion), VerbsError> {
+        let mem = Arc::new(match src {
+            Source::Host(bytes) => SimMem::lent(bytes.as_ptr(), bytes.len(), Box::new(bytes)),
         });
-        Ok(SimMr {
-            mem,
-            rkey,
-            pd: pd.clone(),
-            side: self.me.clone(),
-        })
+        let reg = self.reg(&mem, Access::REMOTE_READ)?;
+        let region = RemoteRegion {
+            addr: mem.addr(),
+            len: mem.len as u64,
+            rkey: reg.rkey,
+        };
+        self.count(|s| {
+            s.exposures += 1;
+            s.exposed += mem.len as u64;
+        });
+        {
+            let mut log = lock(&self.me.exposed_log);
+            if log.len() == EXPOSED_LOG {
+                log.pop_front();
+            }
+            log.push_back(region);
+        }
+        Ok((SimExposed { reg, mem }, region))
     }
 
     fn post_recv(&self, buf: SimMr) -> Completion<(SimMr, usize)> {

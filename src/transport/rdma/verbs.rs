@@ -215,6 +215,36 @@ pub trait Region: Send + Sync + Unpin + 'static {
     fn remote(&self, offset: usize, len: usize) -> RemoteRegion;
 }
 
+/// Memory of ours the peer is to read once (a rendezvous body), registered on its own by
+/// [`Verbs::expose`].
+///
+/// Each body gets a registration of its own, covering exactly its bytes and readable only
+/// while the protocol lends it: the `rkey` the peer learns reaches nothing else and dies at
+/// the peer's `FIN` (or when the connection ends). A pool buffer registered for remote read
+/// and reused would hand the peer a key that, after the `FIN`, still reaches whatever the
+/// buffer holds next.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Source {
+    /// Host memory. The registration keeps the bytes (and so their memory) alive and
+    /// unchanged: `Bytes` are immutable.
+    Host(bytes::Bytes),
+}
+
+impl Source {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Source::Host(b) => b.len(),
+        }
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// The verbs of one connected queue pair.
 ///
 /// Posting is synchronous and in order (the returned [`Completion`] is already posted when
@@ -222,9 +252,16 @@ pub trait Region: Send + Sync + Unpin + 'static {
 pub trait Verbs: Send + Sync + 'static {
     /// A registered buffer of this backend.
     type Mr: Region;
+    /// Memory lent to the peer by [`expose`](Verbs::expose): registered while it lives.
+    type Exposed: Send + Sync + Unpin + 'static;
 
     /// Allocates and registers `len` bytes (zeroed) with `access`.
     fn register(&self, len: usize, access: Access) -> Result<Self::Mr, VerbsError>;
+
+    /// Registers `src` for the peer to read (remote read only), the registration covering
+    /// exactly its bytes; the region is where the peer finds them. Dropping the returned
+    /// value deregisters it (the key is dead from then on) and lets go of the memory.
+    fn expose(&self, src: Source) -> Result<(Self::Exposed, RemoteRegion), VerbsError>;
 
     /// Posts a receive into `buf`; completes with the buffer and the received length.
     fn post_recv(&self, buf: Self::Mr) -> Completion<(Self::Mr, usize)>;
