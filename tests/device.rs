@@ -27,6 +27,7 @@ fn url(scheme: &str) -> String {
     match scheme {
         "tcp" => "tcp://127.0.0.1:0".into(),
         "shm" => format!("shm://dev-{}-{n}", std::process::id()),
+        "rdma+sim" => format!("rdma+sim://dev-{n}"),
         _ => format!("inproc://dev-{n}"),
     }
 }
@@ -127,6 +128,8 @@ async fn round_trip(scheme: &str, land: bool) {
             ("inproc", _) => "in-process",
             // The receiver maps the sender's memory (the stand-in's memfds; CUDA IPC on a GPU).
             ("shm", true) => "cuda-ipc",
+            // The NIC reads the sender's memory (the stand-in's memfd as the dma-buf).
+            ("rdma+sim", _) => "gpudirect",
             _ => "staged",
         }
     );
@@ -637,6 +640,117 @@ fn only_host_bodies_convert_to_bytes() {
     let back = Bytes::try_from(device).unwrap_err();
     assert_eq!(back.len(), 12, "the body comes back whole");
     assert!(back.as_device().is_some());
+}
+
+// ---- rdma:// (GPUDirect RDMA over simulated verbs: the stand-in exports a memfd as its
+// dma-buf, which the simulation maps as the NIC would reach it) ----
+
+#[cfg(feature = "rdma")]
+mod rdma {
+    use super::*;
+    use hyperframes::rdma::sim::{self, Faults, SimConfig};
+    use hyperframes::rdma::{RdmaConfig, channel_pair};
+
+    #[tokio::test]
+    async fn rdma_lands_in_host_memory() {
+        round_trip("rdma+sim", false).await;
+    }
+
+    #[tokio::test]
+    async fn rdma_lands_in_device_memory() {
+        round_trip("rdma+sim", true).await;
+    }
+
+    fn cfg() -> RdmaConfig {
+        RdmaConfig {
+            heartbeat_misses: 0,
+            ..RdmaConfig::default()
+        }
+    }
+
+    /// Small (below the eager size) and large bodies alike are read from device memory:
+    /// each registered once, for exactly its bytes, and released at its FIN.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn rdma_reads_device_bodies_where_they_lie() {
+        let (ours, theirs) = (Gpu::stand_in(), Gpu::stand_in());
+        let (sa, sb) = sim::pair(SimConfig::default());
+        let (mut a, mut b) = channel_pair(sa.clone(), sb, cfg()).await.unwrap();
+        b.halves_mut().1.land_on(Some(theirs.clone()));
+        let lens = [1usize, 4097, (5 << 20) + 5];
+        for (i, &len) in lens.iter().enumerate() {
+            let bytes = pattern(len, i as u8);
+            let body = ours.upload(&bytes).unwrap();
+            a.send(Message::new("g.dev").unwrap().with_body(body))
+                .await
+                .unwrap();
+            let m = timeout(GUARD, b.recv()).await.unwrap().unwrap().unwrap();
+            assert_eq!(m.body().location(), Location::StandIn);
+            assert_eq!(m.body().as_device().unwrap().to_host().unwrap(), bytes);
+        }
+        let n = a.info().device_bodies();
+        assert_eq!((n.gpudirect, n.staged), (3, 0), "{n:?}");
+        let st = sa.stats();
+        assert_eq!(st.exposures, 3, "one registration per body: {st:?}");
+        let regions = sa.exposed_regions();
+        let lent: Vec<u64> = regions.iter().map(|r| r.len).collect();
+        assert_eq!(lent, lens.map(|l| l as u64), "each covers its body alone");
+        settle("the registrations are dropped at the FINs", || {
+            sa.stats().exposed == 0 && ours.live_blocks() == 0
+        })
+        .await;
+    }
+
+    /// The sender's device memory stays allocated while the NIC may read it: until the
+    /// peer's FIN, whatever the sender dropped.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_body_the_nic_reads_is_kept_until_its_fin() {
+        let ours = Gpu::stand_in();
+        let (sa, sb) = sim::pair(SimConfig::default());
+        // The receiver's reads complete late, so its FIN does.
+        sb.set_faults(Faults {
+            delay: Some((Duration::from_millis(800), Duration::from_millis(800))),
+            ..Faults::default()
+        });
+        let (mut a, mut b) = channel_pair(sa.clone(), sb, cfg()).await.unwrap();
+        let bytes = pattern(3 << 20, 9);
+        a.send(
+            Message::new("g.dev")
+                .unwrap()
+                .with_body(ours.upload(&bytes).unwrap()),
+        )
+        .await
+        .unwrap();
+        // Only the registration holds the body now.
+        settle("the body is lent", || sa.stats().exposed == 3 << 20).await;
+        assert_eq!(ours.live_blocks(), 1, "freed while the NIC may read it");
+        let m = timeout(GUARD, b.recv()).await.unwrap().unwrap().unwrap();
+        assert_eq!(m.body().as_bytes().unwrap(), &bytes[..]);
+        settle("released at the FIN", || {
+            sa.stats().exposed == 0 && ours.live_blocks() == 0
+        })
+        .await;
+    }
+
+    /// `rdma_gpudirect(false)`: staged through host memory, and counted so.
+    #[tokio::test]
+    async fn rdma_without_gpudirect_stages() {
+        let gpu = Gpu::stand_in();
+        let ctx = Context::builder().rdma_gpudirect(false).build().unwrap();
+        let (mut a, mut b) = pair(&ctx, "rdma+sim").await;
+        let bytes = pattern(100_000, 3);
+        a.send(
+            Message::new("g")
+                .unwrap()
+                .with_body(gpu.upload(&bytes).unwrap()),
+        )
+        .await
+        .unwrap();
+        let m = timeout(GUARD, b.recv()).await.unwrap().unwrap().unwrap();
+        assert_eq!(m.body().as_bytes().unwrap(), &bytes[..]);
+        let n = a.info().device_bodies();
+        assert_eq!((n.gpudirect, n.staged), (0, 1), "{n:?}");
+        assert_eq!(a.info().device_path(), "staged");
+    }
 }
 
 // ---- on a GPU (run with `cargo test --features cuda --test device -- --ignored`) ----

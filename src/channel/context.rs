@@ -460,6 +460,20 @@ impl ContextBuilder {
         self
     }
 
+    /// `rdma://` with device bodies (features `rdma` and `cuda`): whether the NIC reads a
+    /// device body straight from device memory, registered as a dma-buf (GPUDirect RDMA:
+    /// `ChannelInfo::device_path` says `"gpudirect"`). Default on; it takes effect where the
+    /// device exports dma-bufs and the NIC's driver registers them, and bodies are staged
+    /// through host memory otherwise (said once per channel in the log). Turn it off where
+    /// the GPU and the NIC sit under different PCIe root complexes or sockets, where reading
+    /// the GPU across them can be slower than staging.
+    #[cfg(feature = "rdma")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "rdma")))]
+    pub fn rdma_gpudirect(mut self, on: bool) -> Self {
+        self.cfg.rdma.gpudirect = on;
+        self
+    }
+
     /// `rdma://` (feature `rdma`): how long a connection may be idle before the peer is
     /// probed with an RDMA read (a dead peer fails it: `ConnectionLost` on both halves).
     /// Default 1 s.

@@ -120,6 +120,7 @@ impl Assembler {
         Ok(None)
     }
 
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     fn target(&self, total: usize, kind: &MsgType) -> Result<Target> {
         #[cfg(feature = "cuda")]
         if let Some(gpu) = &self.landing {
@@ -131,18 +132,9 @@ impl Assembler {
                 ),
             }
         }
-        let _ = kind;
-        let mut v = Vec::new();
-        v.try_reserve_exact(total).map_err(|_| {
-            Error::new(
-                ErrorKind::LimitExceeded,
-                format!(
-                    "no memory for a body of {total} bytes (within max_body, but the allocation \
-                     failed; lower max_body)"
-                ),
-            )
-        })?;
-        Ok(Target::Host(v))
+        // Reserved with the first piece, unless that is the whole body (`rdma://` sends it
+        // in one piece: it is kept as it came, without a copy).
+        Ok(Target::Host(Vec::new()))
     }
 
     fn piece(&mut self, mut asm: Box<Assembly>, msg: Message) -> Result<Option<Message>> {
@@ -182,7 +174,30 @@ impl Assembler {
             )));
         }
         match &mut asm.into {
-            Target::Host(v) => v.extend_from_slice(&bytes),
+            Target::Host(v) if end == asm.total && v.is_empty() => {
+                let asm = *asm;
+                return Ok(Some(Message::from_parts(
+                    asm.kind,
+                    asm.meta,
+                    Body::from(bytes),
+                    asm.header,
+                )));
+            }
+            Target::Host(v) => {
+                if v.is_empty() {
+                    v.try_reserve_exact(asm.total).map_err(|_| {
+                        Error::new(
+                            ErrorKind::LimitExceeded,
+                            format!(
+                                "no memory for a body of {} bytes (within max_body, but the \
+                                 allocation failed; lower max_body)",
+                                asm.total
+                            ),
+                        )
+                    })?;
+                }
+                v.extend_from_slice(&bytes)
+            }
             #[cfg(feature = "cuda")]
             Target::Device(d) => d.gpu().backend().copy_in(&**d.mem(), asm.got, &bytes)?,
         }

@@ -74,11 +74,12 @@ enum DevicePath {
     InProcess = 1,
     Staged = 2,
     Lent = 3,
+    GpuDirect = 4,
 }
 
 /// Names of the paths of device bodies, by their number.
 #[cfg(feature = "cuda")]
-const DEVICE_PATHS: [&str; 4] = ["", "in-process", "staged", "cuda-ipc"];
+const DEVICE_PATHS: [&str; 5] = ["", "in-process", "staged", "cuda-ipc", "gpudirect"];
 
 /// Bodies in device memory a [`Sender`] sent, by path. Read with
 /// [`ChannelInfo::device_bodies`]; the paths are described at [`ChannelInfo::device_path`].
@@ -93,6 +94,8 @@ pub struct DeviceBodies {
     pub staged: u64,
     /// Mapped by the receiver: `"cuda-ipc"`.
     pub lent: u64,
+    /// Read by the NIC from device memory: `"gpudirect"`.
+    pub gpudirect: u64,
 }
 
 /// The last path a device body took (0: none yet) and a count per path, written by the
@@ -101,7 +104,7 @@ pub struct DeviceBodies {
 #[derive(Default)]
 struct DeviceTally {
     last: std::sync::atomic::AtomicU8,
-    counts: [AtomicU64; 3],
+    counts: [AtomicU64; 4],
 }
 
 #[cfg(feature = "cuda")]
@@ -157,7 +160,9 @@ impl ChannelInfo {
     /// How the last body in device memory sent on this channel travelled: `"in-process"`
     /// (`inproc://`: the receiver gets the sender's device memory itself), `"cuda-ipc"`
     /// (`shm://` to a receiver that lands bodies on a device: it maps the sender's memory,
-    /// which stays allocated until the receiver drops the body), or `"staged"` (copied to
+    /// which stays allocated until the receiver drops the body), `"gpudirect"` (`rdma://`:
+    /// the NIC reads the body from device memory, registered as a dma-buf; the receiver
+    /// lands it as it would a staged body), or `"staged"` (copied to
     /// host buffers in chunks, each chunk sent while the next is copied). Before the first,
     /// the usual path of the transport: `"in-process"` on `inproc://`, `"staged"` elsewhere.
     /// See [`crate::device`].
@@ -181,6 +186,7 @@ impl ChannelInfo {
             in_process: n(DevicePath::InProcess),
             staged: n(DevicePath::Staged),
             lent: n(DevicePath::Lent),
+            gpudirect: n(DevicePath::GpuDirect),
         }
     }
 
@@ -467,9 +473,12 @@ impl Sender {
         if let Some(device) = msg.body().as_device() {
             if !self.stage.wants(&msg) {
                 path = Some(DevicePath::InProcess);
-            } else if self.half.takes_device(device) {
-                // Lent: the half takes it as it is.
-                path = Some(DevicePath::Lent);
+            } else if let Some(way) = self.half.takes_device(device) {
+                // The half takes it as it is.
+                path = Some(match way {
+                    crate::transport::DeviceWay::CudaIpc => DevicePath::Lent,
+                    crate::transport::DeviceWay::GpuDirect => DevicePath::GpuDirect,
+                });
             } else {
                 self.stage.start(&mut *self.half, msg, &self.info.peer)?;
                 self.info.device.note(DevicePath::Staged, bytes);

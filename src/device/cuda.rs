@@ -289,6 +289,56 @@ impl Backend for Cuda {
         })
     }
 
+    /// `cuMemGetHandleForAddressRange` over the body's whole allocation (the range must be
+    /// page-aligned: allocations are whole 2 MiB blocks, see `alloc`); drivers without
+    /// dma-buf support (before CUDA 11.7, or the GPU's `DMA_BUF_SUPPORTED` attribute off)
+    /// refuse, and the body is staged.
+    #[cfg(feature = "rdma")]
+    fn dmabuf(&self, mem: &Arc<dyn Mem>) -> Result<super::DmaBuf> {
+        use std::os::fd::FromRawFd;
+        let m = mine(&**mem)?;
+        let slice = m.slice();
+        let stream = slice.stream();
+        bind(stream)?;
+        let (ptr, _record) = slice.device_ptr(stream);
+        let (mut base, mut size) = (0, 0);
+        // SAFETY: out-pointers to locals; `ptr` is device memory of the bound context.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+            .result()
+            .map_err(|e| failed("finding a body's allocation", e))?;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: the handle is an out-pointer to a local `int` (what the dma-buf handle type
+        // writes); `base..base + size` is one allocation of the bound context.
+        unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&raw mut fd).cast(),
+                base,
+                size,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        }
+        .result()
+        .map_err(|e| failed("exporting device memory as a dma-buf", e))?;
+        if fd < 0 {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "CUDA returned no dma-buf descriptor",
+            ));
+        }
+        // SAFETY: a descriptor the driver just opened for us, owned from here on.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        // Queued writes to the body are done before the NIC reads it.
+        stream
+            .synchronize()
+            .map_err(|e| failed("waiting for writes to a body", e))?;
+        Ok(super::DmaBuf {
+            fd,
+            offset: ptr - base,
+            len: slice.len(),
+        })
+    }
+
     #[cfg(feature = "shm")]
     fn import(&self, h: &super::IpcHandle, _peer: u32, keep: Keep) -> Result<Arc<dyn Mem>> {
         if h.kind != super::IPC_CUDA || h.len == 0 {

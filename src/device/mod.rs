@@ -8,7 +8,8 @@
 //! |---|---|---|
 //! | `inproc://` | `"in-process"` | the `DeviceBody` itself: the receiver gets the same memory |
 //! | `shm://`, to a receiver that lands bodies on a device | `"cuda-ipc"` | a handle: the receiver maps the sender's memory (`cuIpcOpenMemHandle`), which stays allocated until the receiver drops the body |
-//! | `tcp://`, `tls://`, `rdma://`; `shm://` otherwise | `"staged"` | the body is copied to pinned host buffers in chunks, each chunk sent while the next is copied |
+//! | `rdma://` (feature `rdma`) | `"gpudirect"` | the NIC reads the body from device memory, registered as a dma-buf (`ibv_reg_dmabuf_mr`) for exactly its bytes until the peer's `FIN`; the receiver reads it into host memory and lands it as a staged body |
+//! | `tcp://`, `tls://`, sessions; `shm://` and `rdma://` otherwise | `"staged"` | the body is copied to pinned host buffers in chunks, each chunk sent while the next is copied |
 //!
 //! A staged body is announced by a frame with [`Flags::DEVICE`](crate::Flags::DEVICE) and sent
 //! in chunks of [`Staging::chunk`] bytes from a pool of [`Staging::buffers`] pinned buffers
@@ -31,7 +32,12 @@
 //! memory after a body was lent gets a copy. A handle is opened per body (UCX caches them;
 //! not done yet).
 //!
-//! Not here yet: GPUDirect RDMA; bodies are staged on `rdma://`, and `device_path` says so.
+//! On `rdma://`, a body is staged instead — said once per channel in the log — when the
+//! device does not export dma-bufs (CUDA before 11.7, or a GPU without the attribute), the
+//! NIC's driver does not take them, the backend is async-rdma, or
+//! [`ContextBuilder::rdma_gpudirect(false)`](crate::ContextBuilder::rdma_gpudirect). Not
+//! here yet: the receiving side of GPUDirect (the peer's NIC writing into the receiver's
+//! device memory); a body read from a sender's GPU lands in host memory first.
 //!
 //! # Without a GPU
 //! libcuda is loaded when first needed: a program built with the feature starts and runs on a
@@ -297,6 +303,16 @@ pub(crate) struct IpcHandle {
     pub(crate) len: u64,
 }
 
+/// Device memory as a dma-buf, for the NIC to reach it (GPUDirect RDMA): the file, where
+/// the body lies in it, and its length.
+#[cfg(feature = "rdma")]
+#[derive(Debug)]
+pub(crate) struct DmaBuf {
+    pub(crate) fd: std::os::fd::OwnedFd,
+    pub(crate) offset: u64,
+    pub(crate) len: usize,
+}
+
 /// Held by memory mapped from another process, dropped after it is unmapped.
 pub(crate) type Keep = Box<dyn Any + Send + Sync>;
 
@@ -387,6 +403,16 @@ pub(crate) trait Backend: Send + Sync + 'static {
         Err(Error::new(
             ErrorKind::Unavailable,
             format!("{} does not map memory of other processes", self.describe()),
+        ))
+    }
+
+    /// `mem` as a dma-buf (for registration with an RDMA NIC), once the writes queued to it
+    /// are done. The caller keeps `mem` alive while the NIC may reach it.
+    #[cfg(feature = "rdma")]
+    fn dmabuf(&self, _mem: &Arc<dyn Mem>) -> Result<DmaBuf> {
+        Err(Error::new(
+            ErrorKind::Unavailable,
+            format!("{} does not export memory as a dma-buf", self.describe()),
         ))
     }
 

@@ -55,6 +55,20 @@ impl Memory {
         self.store.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// `f` of the memfd the allocation lives in, moving it there first (when first lent).
+    #[cfg(feature = "shm")]
+    fn shared<T>(&self, f: impl FnOnce(&ipc::Shared) -> Result<T>) -> Result<T> {
+        let mut store = self.lock();
+        if let Store::Heap(bytes) = &*store {
+            let shared = ipc::Shared::create(bytes)?;
+            *store = Store::Shared(shared);
+        }
+        let Store::Shared(shared) = &*store else {
+            unreachable!("moved to a memfd above")
+        };
+        f(shared)
+    }
+
     /// Copies `len` bytes at `offset` of the body to `dst`.
     ///
     /// # Safety
@@ -185,19 +199,23 @@ impl Backend for StandIn {
     #[cfg(feature = "shm")]
     fn export(&self, mem: &Arc<dyn Mem>) -> Result<super::IpcHandle> {
         let m = mine(&**mem)?;
-        let mut store = m.lock();
-        if let Store::Heap(bytes) = &*store {
-            let shared = ipc::Shared::create(bytes)?;
-            *store = Store::Shared(shared);
-        }
-        let Store::Shared(shared) = &*store else {
-            unreachable!("moved to a memfd above")
-        };
         Ok(super::IpcHandle {
             kind: super::IPC_STAND_IN,
-            handle: shared.handle()?,
+            handle: m.shared(ipc::Shared::handle)?,
             offset: m.offset as u64,
             len: m.len as u64,
+        })
+    }
+
+    /// The memfd the body moves into when first lent (as for [`export`](Self::export)),
+    /// standing in for the dma-buf a GPU driver exports.
+    #[cfg(all(feature = "shm", feature = "rdma"))]
+    fn dmabuf(&self, mem: &Arc<dyn Mem>) -> Result<super::DmaBuf> {
+        let m = mine(&**mem)?;
+        Ok(super::DmaBuf {
+            fd: m.shared(ipc::Shared::dup_fd)?,
+            offset: m.offset as u64,
+            len: m.len,
         })
     }
 
@@ -365,6 +383,19 @@ mod ipc {
 
         pub(super) fn base(&self) -> *mut u8 {
             self.map.base()
+        }
+
+        /// A descriptor of the memfd of our own memory (not of memory mapped from a peer).
+        #[cfg(feature = "rdma")]
+        pub(super) fn dup_fd(&self) -> Result<OwnedFd> {
+            let fd = self.fd.as_ref().ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Unavailable,
+                    "stand-in device: memory mapped from another process is not lent on",
+                )
+            })?;
+            fd.try_clone()
+                .map_err(|e| Error::io("stand-in device: duplicating a memfd", e))
         }
 
         /// pid, descriptor, device and inode of the memfd, and its size.

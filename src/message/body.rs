@@ -22,8 +22,8 @@ enum Repr {
     Host(Bytes),
     /// Host memory a transport lent (a shared-memory arena block), tagged so that the same
     /// transport recognises it and sends it without a copy.
-    #[cfg_attr(not(any(feature = "shm", feature = "rdma")), allow(dead_code))]
-    // lent memory comes from shm and rdma
+    #[cfg_attr(not(feature = "shm"), allow(dead_code))]
+    // lent memory comes from shm
     Leased(Bytes, LeaseTag),
     /// Device memory.
     #[cfg(feature = "cuda")]
@@ -144,7 +144,7 @@ impl Body {
     }
 
     /// A body in memory a transport lent (see [`BodyMut`]).
-    #[cfg_attr(not(any(feature = "shm", feature = "rdma")), allow(dead_code))] // lent memory comes from shm and rdma
+    #[cfg_attr(not(feature = "shm"), allow(dead_code))] // lent memory comes from shm
     pub(crate) fn leased(bytes: Bytes, tag: LeaseTag) -> Body {
         Body {
             repr: Repr::Leased(bytes, tag),
@@ -152,7 +152,7 @@ impl Body {
     }
 
     /// Where the body lives, when a transport lent its memory.
-    #[cfg_attr(not(any(feature = "shm", feature = "rdma")), allow(dead_code))] // lent memory comes from shm and rdma
+    #[cfg_attr(not(feature = "shm"), allow(dead_code))] // lent memory comes from shm
     pub(crate) fn lease_tag(&self) -> Option<LeaseTag> {
         match &self.repr {
             Repr::Leased(_, tag) => Some(*tag),
@@ -240,8 +240,8 @@ pub struct BodyMut {
 
 enum MutRepr {
     Heap(bytes::BytesMut),
-    #[cfg_attr(not(any(feature = "shm", feature = "rdma")), allow(dead_code))]
-    // lent memory comes from shm and rdma
+    #[cfg_attr(not(feature = "shm"), allow(dead_code))]
+    // lent memory comes from shm
     Lent(Box<dyn LentMut>),
 }
 
@@ -260,7 +260,7 @@ impl BodyMut {
         }
     }
 
-    #[cfg_attr(not(any(feature = "shm", feature = "rdma")), allow(dead_code))] // lent memory comes from shm and rdma
+    #[cfg_attr(not(feature = "shm"), allow(dead_code))] // lent memory comes from shm
     pub(crate) fn lent(lent: Box<dyn LentMut>) -> BodyMut {
         BodyMut {
             repr: MutRepr::Lent(lent),

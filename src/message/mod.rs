@@ -21,7 +21,7 @@ mod meta;
 mod serde;
 
 pub use body::{Body, BodyMut, Location};
-#[cfg(any(feature = "shm", feature = "rdma"))]
+#[cfg(feature = "shm")]
 pub(crate) use body::{LeaseTag, LentMut};
 pub(crate) use kind::TypeCache;
 pub use kind::{IntoMsgType, InvalidType, MsgType};

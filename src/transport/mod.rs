@@ -313,13 +313,25 @@ pub(crate) trait SendHalf: Send + Sync + 'static {
     fn take_unacknowledged(&mut self) -> Option<Vec<Message>> {
         None
     }
-    /// True when the half sends `body` as it is, without the channel staging it: `shm://`
-    /// lends it over CUDA IPC when the receiver maps such memory. The next `start_send` of a
-    /// device body is that body.
+    /// `Some` when the half sends `body` from where it lies, without the channel staging
+    /// it: `shm://` lends it over CUDA IPC when the receiver maps such memory, `rdma://` has
+    /// the NIC read it (GPUDirect RDMA). The next `start_send` of a device body is that body.
     #[cfg(feature = "cuda")]
-    fn takes_device(&mut self, _body: &crate::device::DeviceBody) -> bool {
-        false
+    fn takes_device(&mut self, _body: &crate::device::DeviceBody) -> Option<DeviceWay> {
+        None
     }
+}
+
+/// How a sending half takes a device body as it is ([`SendHalf::takes_device`]).
+#[cfg(feature = "cuda")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum DeviceWay {
+    /// `shm://`: the receiver maps the sender's memory.
+    #[cfg_attr(not(feature = "shm"), allow(dead_code))]
+    CudaIpc,
+    /// `rdma://`: the NIC reads the device memory (registered as a dma-buf).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    GpuDirect,
 }
 
 /// The receiving direction of one connection. After `Ready(None)` or an error it keeps

@@ -41,7 +41,16 @@ pub(crate) fn open(spec: &str) -> Result<Gpu, Failure> {
 
 /// Received bodies land on `gpu` (the kind of device the sender's bodies are on); with
 /// `ipc` false, `shm://` stages them instead of mapping the sender's memory.
-pub(crate) fn land(b: ContextBuilder, gpu: Option<&Gpu>, ipc: bool) -> ContextBuilder {
+pub(crate) fn land(
+    b: ContextBuilder,
+    gpu: Option<&Gpu>,
+    ipc: bool,
+    gpudirect: bool,
+) -> ContextBuilder {
+    #[cfg(all(feature = "cuda", feature = "rdma"))]
+    let b = b.rdma_gpudirect(gpudirect);
+    #[cfg(not(all(feature = "cuda", feature = "rdma")))]
+    let _ = gpudirect;
     match gpu {
         #[cfg(all(feature = "cuda", feature = "shm"))]
         Some(g) => b.land_on(g.clone()).shm_cuda_ipc(ipc),
@@ -124,10 +133,14 @@ pub(crate) fn paths(info: &ChannelInfo) -> String {
     #[cfg(feature = "cuda")]
     {
         let d = info.device_bodies();
-        format!(
+        let mut s = format!(
             "device bodies: {} lent (cuda-ipc), {} staged, {} in-process",
             d.lent, d.staged, d.in_process
-        )
+        );
+        if info.transport() == "rdma" {
+            s += &format!(", {} read by the NIC (gpudirect)", d.gpudirect);
+        }
+        s
     }
     #[cfg(not(feature = "cuda"))]
     {

@@ -115,6 +115,11 @@ pub(crate) struct BenchArgs {
     #[arg(long, requires = "device")]
     no_cuda_ipc: bool,
 
+    /// With --device: rdma:// stages device bodies instead of having the NIC read them from
+    /// device memory (GPUDirect RDMA), to compare the two paths.
+    #[arg(long, requires = "device")]
+    no_gpudirect: bool,
+
     /// A fixed offered load in messages per second, instead of as fast as possible.
     #[arg(long, value_name = "MSGS_PER_S")]
     rate: Option<f64>,
@@ -294,6 +299,7 @@ fn context(
         Context::builder().busy_poll(args.busy_poll),
         gpu,
         !args.no_cuda_ipc,
+        !args.no_gpudirect,
     );
     crate::build_context(tls.apply(b)?)
 }
@@ -375,6 +381,9 @@ impl PeerProcess {
         }
         if let Some(d) = &args.device {
             cmd.arg(format!("--device={d}"));
+        }
+        if args.no_gpudirect {
+            cmd.arg("--no-gpudirect");
         }
         if args.no_cuda_ipc {
             cmd.arg("--no-cuda-ipc");
@@ -800,6 +809,9 @@ fn settings_label(args: &BenchArgs) -> String {
     }
     if args.no_cuda_ipc {
         parts.push("no CUDA IPC".into());
+    }
+    if args.no_gpudirect {
+        parts.push("no GPUDirect".into());
     }
     if let Some(r) = args.rate {
         parts.push(format!("offered {r} msg/s"));

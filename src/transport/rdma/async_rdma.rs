@@ -144,11 +144,22 @@ impl Verbs for ArVerbs {
     /// async-rdma registers only memory it allocates: the body is copied into a fresh
     /// region of its own (one registration per body, as on the other backend, at the cost
     /// of a copy).
+    #[cfg_attr(not(feature = "cuda"), allow(clippy::infallible_destructuring_match))]
     fn expose(&self, src: Source) -> std::result::Result<(ArMr, RemoteRegion), VerbsError> {
+        let bytes = match &src {
+            Source::Host(b) => b,
+            #[cfg(feature = "cuda")]
+            Source::DmaBuf { .. } => {
+                return Err(
+                    VerbsError::new(VerbOp::Register, WcStatus::Other).with_detail(
+                        "async-rdma cannot register dma-buf memory (GPUDirect RDMA): use the \
+                         sideway backend",
+                    ),
+                );
+            }
+        };
         let mut mr = self.register(src.len(), Access::REMOTE_READ)?;
-        match &src {
-            Source::Host(b) => mr.as_mut_slice()[..b.len()].copy_from_slice(b),
-        }
+        mr.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
         let region = mr.remote(0, src.len());
         Ok((mr, region))
     }

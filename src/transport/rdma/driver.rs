@@ -33,10 +33,14 @@ use futures_util::task::AtomicWaker;
 
 use super::pool::{Lease, Pool, PoolError};
 use super::proto::{self, Connection, Params, ProtoError, ReadRequest};
+#[cfg(feature = "cuda")]
+use super::verbs::RemoteRegion;
 use super::verbs::{Access, Region, Source, Verbs, VerbsError};
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::Limits;
 use crate::message::Message;
+#[cfg(feature = "cuda")]
+use crate::message::{Body, Flags, Header, Meta};
 use crate::transport::heartbeat::{self, Silence};
 use crate::transport::{RecvHalf, SendHalf};
 
@@ -78,6 +82,12 @@ pub struct RdmaConfig {
     pub handshake_timeout: Duration,
     /// What this side accepts.
     pub limits: Limits,
+    /// Device bodies (feature `cuda`) are read by the NIC from device memory registered as
+    /// a dma-buf (GPUDirect RDMA) where the device exports one and the NIC's driver takes it;
+    /// otherwise, or when off, they are staged through host memory. Default on. Off where
+    /// the GPU and the NIC sit under different PCIe root complexes or sockets, where reading
+    /// the GPU across them can be slower than staging.
+    pub gpudirect: bool,
 }
 
 impl Default for RdmaConfig {
@@ -93,6 +103,7 @@ impl Default for RdmaConfig {
             heartbeat_misses: 10,
             handshake_timeout: Duration::from_secs(5),
             limits: Limits::default(),
+            gpudirect: true,
         }
     }
 }
@@ -157,6 +168,10 @@ struct St {
     exited: bool,
     /// Body bytes in `inq`.
     inq_bytes: usize,
+    /// Registrations of the device bodies in `outq` (GPUDirect RDMA), in their order: the
+    /// `Sender` registers each as it takes it (`takes_device`), the driver lends it.
+    #[cfg(feature = "cuda")]
+    device_lent: VecDeque<(Box<dyn std::any::Any + Send + Sync>, RemoteRegion)>,
 }
 
 impl St {
@@ -181,6 +196,15 @@ enum Done<M> {
 
 type OpFuture<M> = Pin<Box<dyn Future<Output = Done<M>> + Send>>;
 
+/// A body of ours the peer may read, registered on its own until its `FIN`.
+enum Held<V: Verbs> {
+    /// Host memory ([`Verbs::expose`]).
+    Host(#[allow(dead_code)] V::Exposed),
+    /// Device memory registered as a dma-buf by the `Sender`.
+    #[cfg(feature = "cuda")]
+    Device(#[allow(dead_code)] Box<dyn std::any::Any + Send + Sync>),
+}
+
 /// The connection task.
 pub(crate) struct Driver<V: Verbs> {
     verbs: Arc<V>,
@@ -195,7 +219,7 @@ pub(crate) struct Driver<V: Verbs> {
     recv_held: VecDeque<(V::Mr, usize)>,
     /// Rendezvous bodies of ours the peer may read, each registered on its own
     /// ([`Verbs::expose`]) until its `FIN`: the key dies with the entry.
-    held: HashMap<u64, (V::Exposed, usize)>,
+    held: HashMap<u64, (Held<V>, usize)>,
     /// Bytes in `held` (at most `pool_bytes`, but always one body).
     held_bytes: usize,
     reads_waiting: VecDeque<ReadRequest>,
@@ -453,6 +477,25 @@ impl<V: Verbs> Driver<V> {
         if self.conn.peer().is_some() {
             while self.conn.can_queue() {
                 let Some(msg) = st.outq.front() else { break };
+                #[cfg(feature = "cuda")]
+                if msg.body().as_device().is_some() {
+                    // GPUDirect: the NIC reads the body from device memory, registered by
+                    // the Sender (bounded by the send queue, not by `pool_bytes`).
+                    let Some((reg, region)) = st.device_lent.pop_front() else {
+                        return Err(Error::new(
+                            ErrorKind::Mismatch,
+                            "a device body reached the RDMA driver without its registration",
+                        ));
+                    };
+                    let msg = st.outq.pop_front().expect("front exists");
+                    let rid = self.conn.send_rendezvous(msg, region);
+                    self.held
+                        .insert(rid, (Held::Device(reg), region.len as usize));
+                    self.held_bytes += region.len as usize;
+                    progress = true;
+                    st.wake_tx();
+                    continue;
+                }
                 if self.conn.is_eager(msg) {
                     let msg = st.outq.pop_front().expect("front exists");
                     self.conn.send_eager(msg);
@@ -480,7 +523,7 @@ impl<V: Verbs> Driver<V> {
                         .map_err(|e| verbs_error(e, &peer))?;
                     let msg = st.outq.pop_front().expect("front exists");
                     let rid = self.conn.send_rendezvous(msg, region);
-                    self.held.insert(rid, (exposed, len));
+                    self.held.insert(rid, (Held::Host(exposed), len));
                     self.held_bytes += len;
                 }
                 progress = true;
@@ -757,16 +800,41 @@ impl Shared {
 // User halves
 // ---------------------------------------------------------------------------------------
 
-pub(crate) struct RdmaSender {
+pub(crate) struct RdmaSender<V: Verbs> {
     sh: Arc<Shared>,
     send_queue: usize,
+    #[cfg(feature = "cuda")]
+    device: DeviceSend<V>,
+    #[cfg(not(feature = "cuda"))]
+    _verbs: std::marker::PhantomData<V>,
 }
 
-impl RdmaSender {
-    pub(crate) fn new(sh: Arc<Shared>, cfg: &RdmaConfig) -> RdmaSender {
+/// What the `Sender` needs for GPUDirect RDMA: the verbs to register device bodies with,
+/// and the registration of the body `takes_device` accepted, for `start_send`.
+#[cfg(feature = "cuda")]
+struct DeviceSend<V: Verbs> {
+    verbs: Arc<V>,
+    on: bool,
+    prepared: Option<(Box<dyn std::any::Any + Send + Sync>, RemoteRegion)>,
+    told: bool,
+}
+
+impl<V: Verbs> RdmaSender<V> {
+    pub(crate) fn new(sh: Arc<Shared>, verbs: Arc<V>, cfg: &RdmaConfig) -> RdmaSender<V> {
+        #[cfg(not(feature = "cuda"))]
+        let _ = verbs;
         RdmaSender {
             sh,
             send_queue: cfg.send_queue,
+            #[cfg(feature = "cuda")]
+            device: DeviceSend {
+                verbs,
+                on: cfg.gpudirect,
+                prepared: None,
+                told: false,
+            },
+            #[cfg(not(feature = "cuda"))]
+            _verbs: std::marker::PhantomData,
         }
     }
 
@@ -787,7 +855,7 @@ impl RdmaSender {
     }
 }
 
-impl SendHalf for RdmaSender {
+impl<V: Verbs> SendHalf for RdmaSender<V> {
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
         let mut st = lock(&self.sh.st);
         self.check(&st)?;
@@ -803,11 +871,84 @@ impl SendHalf for RdmaSender {
         if let Err(e) = self.check(&st) {
             return Err(e.with_message(msg));
         }
+        #[cfg(feature = "cuda")]
+        if msg.body().as_device().is_some() {
+            let Some(reg) = self.device.prepared.take() else {
+                return Err(Error::new(
+                    ErrorKind::Mismatch,
+                    "a device body handed to rdma:// without takes_device",
+                )
+                .with_message(msg));
+            };
+            // The channel's wire form of a body from device memory (`channel::device`): an
+            // announcement of its length, then the body as one piece, which the peer reads
+            // straight from our device memory.
+            let (kind, meta, body, header) = msg.into_parts();
+            let announce = Message::from_parts(
+                kind.clone(),
+                meta,
+                Body::from((body.len() as u64).to_le_bytes().to_vec()),
+                Header {
+                    flags: header.flags.union(Flags::DEVICE).union(Flags::MORE),
+                    ..header
+                },
+            );
+            let piece = Message::from_parts(kind, Meta::new(), body, Header::default());
+            st.outq.push_back(announce);
+            st.outq.push_back(piece);
+            st.device_lent.push_back(reg);
+            st.backlog += 2;
+            drop(st);
+            self.sh.wake_driver();
+            return Ok(());
+        }
         st.outq.push_back(msg);
         st.backlog += 1;
         drop(st);
         self.sh.wake_driver();
         Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn takes_device(
+        &mut self,
+        body: &crate::device::DeviceBody,
+    ) -> Option<crate::transport::DeviceWay> {
+        let d = &mut self.device;
+        if !d.on || body.is_empty() {
+            return None;
+        }
+        let lent = body
+            .gpu()
+            .backend()
+            .dmabuf(body.mem())
+            .map_err(|e| e.to_string())
+            .and_then(|buf| {
+                let src = Source::DmaBuf {
+                    fd: buf.fd,
+                    offset: buf.offset,
+                    len: buf.len,
+                    keep: Box::new(body.clone()),
+                };
+                d.verbs.expose(src).map_err(|e| e.to_string())
+            });
+        match lent {
+            Ok((reg, region)) => {
+                d.prepared = Some((Box::new(reg), region));
+                Some(crate::transport::DeviceWay::GpuDirect)
+            }
+            Err(e) => {
+                if !d.told {
+                    d.told = true;
+                    tracing::info!(
+                        peer = %self.sh.peer,
+                        "rdma: device bodies are staged through host memory, not read by the \
+                         NIC from the device (GPUDirect RDMA): {e}"
+                    );
+                }
+                None
+            }
+        }
     }
 
     fn poll_submit(&mut self, _cx: &mut Context<'_>) -> Poll<Result<()>> {
@@ -851,7 +992,7 @@ impl SendHalf for RdmaSender {
     }
 }
 
-impl Drop for RdmaSender {
+impl<V: Verbs> Drop for RdmaSender<V> {
     fn drop(&mut self) {
         let mut st = lock(&self.sh.st);
         st.tx_gone = true;
@@ -912,9 +1053,13 @@ impl Drop for RdmaReceiver {
 }
 
 /// Builds the halves for a driver that is running.
-pub(crate) fn halves(sh: Arc<Shared>, cfg: &RdmaConfig) -> (Box<dyn SendHalf>, Box<dyn RecvHalf>) {
+pub(crate) fn halves<V: Verbs>(
+    sh: Arc<Shared>,
+    verbs: Arc<V>,
+    cfg: &RdmaConfig,
+) -> (Box<dyn SendHalf>, Box<dyn RecvHalf>) {
     (
-        Box::new(RdmaSender::new(sh.clone(), cfg)),
+        Box::new(RdmaSender::new(sh.clone(), verbs, cfg)),
         Box::new(RdmaReceiver::new(sh)),
     )
 }

@@ -57,6 +57,7 @@ pub(crate) struct RdmaSettings {
     pub(crate) slot_size: u32,
     pub(crate) pool_bytes: u64,
     pub(crate) keepalive: std::time::Duration,
+    pub(crate) gpudirect: bool,
 }
 
 impl Default for RdmaSettings {
@@ -67,6 +68,7 @@ impl Default for RdmaSettings {
             slot_size: d.slot_size,
             pool_bytes: d.pool_bytes,
             keepalive: d.keepalive,
+            gpudirect: d.gpudirect,
         }
     }
 }
@@ -92,6 +94,7 @@ pub(crate) fn config(cfg: &Config) -> RdmaConfig {
         recv_queue: cfg.recv_queue,
         recv_queue_bytes: cfg.recv_queue_bytes,
         keepalive: cfg.rdma.keepalive,
+        gpudirect: cfg.rdma.gpudirect,
         heartbeat_misses: if cfg.heartbeat.is_some() {
             cfg.heartbeat_misses
         } else {
@@ -170,10 +173,10 @@ pub(crate) struct Started {
 /// receive queue empty.
 pub(crate) fn prepare<V: Verbs>(verbs: Arc<V>, cfg: RdmaConfig, peer: String) -> Result<Prepared> {
     runtime()?;
-    let (drv, sh) = Driver::new(verbs, cfg.clone(), peer)?;
+    let (drv, sh) = Driver::new(verbs.clone(), cfg.clone(), peer)?;
     // The halves exist before the driver runs: dropping them (a failed or cancelled set-up)
     // is what tells the driver to stop.
-    let (tx, rx) = driver::halves(sh.clone(), &cfg);
+    let (tx, rx) = driver::halves(sh.clone(), verbs, &cfg);
     Ok(Prepared {
         run: Box::pin(drv),
         started: Started {

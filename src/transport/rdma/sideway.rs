@@ -478,21 +478,55 @@ impl Verbs for SwVerbs {
     }
 
     fn expose(&self, src: Source) -> std::result::Result<(SwExposed, RemoteRegion), VerbsError> {
-        let (addr, len) = match &src {
-            Source::Host(b) => (b.as_ptr() as u64, b.len()),
+        let refused = |e: &dyn std::fmt::Display, hint: &str| {
+            VerbsError::new(VerbOp::Register, WcStatus::NoMemory)
+                .with_detail(format!("{e:#} ({hint})"))
         };
-        // SAFETY: `addr..addr + len` are the bytes of `src`, immutable and kept alive by the
-        // returned `SwExposed`, whose field order drops the registration first. Remote read
-        // is the only access granted: neither we nor the peer write them through it.
-        let mr = unsafe {
-            self.pd
-                .reg_mr(addr as usize, len.max(1), AccessFlags::RemoteRead)
-        }
-        .map_err(|e| {
-            VerbsError::new(VerbOp::Register, WcStatus::NoMemory).with_detail(format!(
-                "{e:#} (is the locked-memory limit, `ulimit -l`, large enough?)"
-            ))
-        })?;
+        let (mr, addr, len) = match &src {
+            Source::Host(b) => {
+                let (addr, len) = (b.as_ptr() as u64, b.len());
+                // SAFETY: `addr..addr + len` are the bytes of `src`, immutable and kept alive
+                // by the returned `SwExposed`, whose field order drops the registration
+                // first. Remote read is the only access granted: neither we nor the peer
+                // write them through it.
+                let mr = unsafe {
+                    self.pd
+                        .reg_mr(addr as usize, len.max(1), AccessFlags::RemoteRead)
+                }
+                .map_err(|e| {
+                    refused(&e, "is the locked-memory limit, `ulimit -l`, large enough?")
+                })?;
+                (mr, addr, len)
+            }
+            #[cfg(feature = "cuda")]
+            Source::DmaBuf {
+                fd, offset, len, ..
+            } => {
+                use std::os::fd::AsRawFd;
+                // The peer addresses the body by its offset in the dma-buf (the iova keeps
+                // the offset's place in its page, as the NIC's translation wants).
+                // SAFETY: `fd` is a dma-buf of device memory that `src` keeps alive (and the
+                // descriptor open) until the returned `SwExposed` drops, registration first;
+                // `offset..offset + len` lies in it (the exporter's range); remote read only.
+                let mr = unsafe {
+                    self.pd.reg_dmabuf_mr(
+                        *offset,
+                        *len,
+                        *offset,
+                        fd.as_raw_fd(),
+                        AccessFlags::RemoteRead,
+                    )
+                }
+                .map_err(|e| {
+                    refused(
+                        &e,
+                        "GPUDirect RDMA needs an RDMA driver that takes dma-bufs (Linux 5.12+, \
+                         rdma-core 34+) and a GPU driver that exports them; run `hf doctor`",
+                    )
+                })?;
+                (mr, *offset, *len)
+            }
+        };
         let region = RemoteRegion {
             addr,
             len: len as u64,

@@ -592,6 +592,40 @@ impl SimVerbs {
     }
 }
 
+/// A dma-buf's bytes, as the NIC would reach them: the file mapped read-only (the stand-in
+/// device exports a memfd; a GPU's dma-buf is not for the CPU to map, so the simulation
+/// refuses one it cannot map).
+#[cfg(feature = "cuda")]
+fn dmabuf(
+    fd: std::os::fd::OwnedFd,
+    offset: u64,
+    len: usize,
+    keep: Box<dyn std::any::Any + Send + Sync>,
+) -> Result<SimMem, VerbsError> {
+    let refused =
+        |why: String| Err(VerbsError::new(VerbOp::Register, WcStatus::Other).with_detail(why));
+    #[cfg(feature = "shm")]
+    {
+        let Some(end) = offset.checked_add(len as u64) else {
+            return refused(format!("a dma-buf range of {len} bytes at {offset}"));
+        };
+        let map = match crate::transport::shm::Mapping::new(&fd, end, false) {
+            Ok(m) => m,
+            Err(e) => return refused(format!("mapping the dma-buf: {e}")),
+        };
+        let ptr = map.base().wrapping_add(offset as usize);
+        // The mapping, then what holds the memory, go when the region does.
+        Ok(SimMem::lent(ptr, len, Box::new((map, fd, keep))))
+    }
+    #[cfg(not(feature = "shm"))]
+    {
+        let _ = (fd, offset, keep);
+        refused(format!(
+            "the simulation maps dma-bufs with `shm`'s mapping ({len} bytes)"
+        ))
+    }
+}
+
 /// Copies `len` bytes between two simulated memories.
 fn dma(src: &SimMem, src_off: usize, dst: &SimMem, dst_off: usize, len: usize) {
     debug_assert!(src_off + len <= src.len && dst_off + len <= dst.len);
@@ -677,6 +711,13 @@ impl Verbs for SimVerbs {
     fn expose(&self, src: Source) -> Result<(SimExposed, RemoteRegion), VerbsError> {
         let mem = Arc::new(match src {
             Source::Host(bytes) => SimMem::lent(bytes.as_ptr(), bytes.len(), Box::new(bytes)),
+            #[cfg(feature = "cuda")]
+            Source::DmaBuf {
+                fd,
+                offset,
+                len,
+                keep,
+            } => dmabuf(fd, offset, len, keep)?,
         });
         let reg = self.reg(&mem, Access::REMOTE_READ)?;
         let region = RemoteRegion {

@@ -229,6 +229,20 @@ pub enum Source {
     /// Host memory. The registration keeps the bytes (and so their memory) alive and
     /// unchanged: `Bytes` are immutable.
     Host(bytes::Bytes),
+    /// Device memory as a dma-buf (GPUDirect RDMA, `ibv_reg_dmabuf_mr`): `len` bytes at
+    /// `offset` of the file `fd`. `keep` holds the memory; the registration keeps it (and
+    /// the descriptor) until it is dropped.
+    #[cfg(feature = "cuda")]
+    DmaBuf {
+        /// The dma-buf.
+        fd: std::os::fd::OwnedFd,
+        /// Where the body starts in it.
+        offset: u64,
+        /// The body's length.
+        len: usize,
+        /// What keeps the memory alive (the device body).
+        keep: Box<dyn std::any::Any + Send + Sync>,
+    },
 }
 
 impl Source {
@@ -236,6 +250,8 @@ impl Source {
     pub fn len(&self) -> usize {
         match self {
             Source::Host(b) => b.len(),
+            #[cfg(feature = "cuda")]
+            Source::DmaBuf { len, .. } => *len,
         }
     }
 

@@ -538,14 +538,13 @@ impl SendHalf for ShmSender {
     }
 
     #[cfg(feature = "cuda")]
-    fn takes_device(&mut self, body: &crate::device::DeviceBody) -> bool {
-        match super::lend::prepare(&self.sh, body, self.prepared.len(), &mut self.told) {
-            Some(rec) => {
-                self.prepared.push_back(rec);
-                true
-            }
-            None => false,
-        }
+    fn takes_device(
+        &mut self,
+        body: &crate::device::DeviceBody,
+    ) -> Option<crate::transport::DeviceWay> {
+        let rec = super::lend::prepare(&self.sh, body, self.prepared.len(), &mut self.told)?;
+        self.prepared.push_back(rec);
+        Some(crate::transport::DeviceWay::CudaIpc)
     }
 
     fn unstage(&mut self) -> Option<Message> {
