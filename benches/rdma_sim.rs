@@ -11,7 +11,11 @@
 //! * `channel_alloc_1deep`: `recv_queue_bytes` of one body (one pool buffer, reused hot);
 //! * `channel_heap`: as `channel_alloc` with a body in ordinary heap memory (`Bytes`);
 //! * `protocol_only`: the simulation checks keys and bounds but moves no body bytes — what
-//!   the protocol, the driver and the channel cost per 4 MiB message, without the copy.
+//!   the protocol, the driver and the channel cost per 4 MiB message, without the copy;
+//! * with `--features rdma,cuda`, bodies in the stand-in device's memory (host memory
+//!   handled as a device): `device_gpudirect` (registered as a dma-buf, the stand-in's memfd,
+//!   and read from there), `device_staged` (`RdmaConfig::gpudirect` off: copied to host
+//!   buffers in 1 MiB chunks by the staging pipeline, each chunk sent by rendezvous).
 //!
 //! Each body is registered where it lies for the peer's read (its own registration, until
 //! the `FIN`), so both kinds of body are sent without a copy; the receiver drops each body
@@ -126,6 +130,25 @@ fn main() {
         ),
     ];
     let mut small_setup = None;
+    #[cfg(feature = "cuda")]
+    for (name, gpudirect) in [("device_gpudirect", true), ("device_staged", false)] {
+        let cfg = RdmaConfig {
+            gpudirect,
+            ..RdmaConfig::default()
+        };
+        let mut s = setup(&rt, cfg, SimConfig::default(), true);
+        let gpu = hyperframes::device::Gpu::stand_in();
+        s.big = Message::new("bench.device")
+            .unwrap()
+            .with_body(gpu.upload(&vec![5u8; BIG]).unwrap());
+        g.bench_function(name, |b| {
+            b.iter_custom(|n| {
+                let d = stream(&rt, &mut s.tx, &mut s.rx, &s.big, n);
+                record(group, name, d, n);
+                d
+            })
+        });
+    }
     for (name, cfg, sim) in variants {
         let mut s = setup(&rt, cfg, sim, name == "channel_heap");
         g.bench_function(name, |b| {
@@ -169,6 +192,8 @@ fn main() {
             "channel_heap",
             "channel_alloc_1deep",
             "protocol_only",
+            "device_gpudirect",
+            "device_staged",
         ] {
             if let Some(r) = per_second("rdma_sim_4MiB", f) {
                 println!("  {f:<20} {:>7.1} GB/s  {:>5.2}x memcpy", gb(r), r / m);
