@@ -785,11 +785,12 @@ fn usage_and_help() {
 }
 
 /// Every check `hf doctor` runs, in its order.
-const DOCTOR_CHECKS: [&str; 19] = [
+const DOCTOR_CHECKS: [&str; 20] = [
     "io_uring",
     "memlock",
     "rdma",
     "uverbs",
+    "rdma_cm",
     "cuda",
     "gpu",
     "gpudirect",

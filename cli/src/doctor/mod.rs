@@ -19,7 +19,7 @@ use self::memlock::check_memlock;
 use self::net::{check_core_buffer, check_mtu, check_tcp_buffer};
 use self::numa::check_numa;
 use self::probe::{probe_shm, probe_tcp};
-use self::rdma::{check_rdma, check_uverbs, rdma_ports};
+use self::rdma::{check_rdma, check_rdma_cm, check_uverbs, rdma_ports};
 use self::shm::{check_dev_shm, check_shm};
 use self::system::{check_governor, check_hugepages, check_thp};
 use crate::Failure;
@@ -41,7 +41,7 @@ mod fake;
 /// Printed after `hf doctor --help`.
 pub(crate) const AFTER_HELP: &str = "\
 Checks, in order: io_uring (probed with a loopback tcp:// connection), memlock, rdma, uverbs,
-cuda, gpu, gpudirect, numa, mtu, cpu_governor, thp, hugepages, net.core.rmem_max,
+rdma_cm, cuda, gpu, gpudirect, numa, mtu, cpu_governor, thp, hugepages, net.core.rmem_max,
 net.core.wmem_max, net.ipv4.tcp_rmem, net.ipv4.tcp_wmem, shm (probed with a loopback shm://
 connection), dev_shm, cuda_driver (hyperframes' own CUDA entry point, in a build with feature
 `cuda`). Some checks give one finding per device, port or interface.
@@ -56,11 +56,12 @@ there is nothing to do).";
 
 /// Every check, in report order; each gives at least one finding.
 #[cfg(test)]
-const CHECKS: [&str; 19] = [
+const CHECKS: [&str; 20] = [
     "io_uring",
     "memlock",
     "rdma",
     "uverbs",
+    "rdma_cm",
     "cuda",
     "gpu",
     "gpudirect",
@@ -222,6 +223,7 @@ fn survey(host: &Host, env: &Env) -> Vec<Finding> {
     )];
     findings.extend(check_rdma(host, &ports));
     findings.extend(check_uverbs(host, &ports));
+    findings.push(check_rdma_cm(host, &ports));
     findings.push(check_cuda(host, &gpus, env));
     findings.extend(check_gpus(&gpus));
     findings.push(check_gpudirect(host, &gpus, !ports.is_empty()));

@@ -305,6 +305,51 @@ pub(super) fn check_uverbs(host: &Host, ports: &[RdmaPort]) -> Vec<Finding> {
         .collect()
 }
 
+/// rdma_cm, through which `rdma://` sets connections up (the TCP set-up exchange otherwise).
+pub(super) fn check_rdma_cm(host: &Host, ports: &[RdmaPort]) -> Finding {
+    const CHECK: &str = "rdma_cm";
+    const NODE: &str = "/dev/infiniband/rdma_cm";
+    if ports.is_empty() {
+        return Finding::new(CHECK, Status::Absent, "no RDMA device: rdma_cm not needed");
+    }
+    if !host.exists(NODE) {
+        return Finding::new(
+            CHECK,
+            Status::Warn,
+            format!(
+                "no {NODE}: rdma:// falls back to its TCP set-up exchange (device, port and GID \
+                 index from HYPERFRAMES_RDMA_* instead of the peer's address)"
+            ),
+        )
+        .fix(
+            "sudo modprobe rdma_ucm\n\
+             in a container: docker run --device=/dev/infiniband/rdma_cm",
+        );
+    }
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(host.path(NODE))
+    {
+        Ok(_) => Finding::new(
+            CHECK,
+            Status::Ok,
+            format!("{NODE} opens: rdma:// sets connections up through rdma_cm"),
+        ),
+        Err(e) => Finding::new(
+            CHECK,
+            Status::Warn,
+            format!(
+                "{NODE} cannot be opened ({e:#}): rdma:// falls back to its TCP set-up exchange"
+            ),
+        )
+        .fix(format!(
+            "sudo chmod 666 {NODE}    (until reboot; for good, a udev rule: \
+             KERNEL==\"rdma_cm\", MODE=\"0666\")"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -452,5 +497,24 @@ mod tests {
             .file("/sys/class/infiniband_verbs/uverbs0/ibdev", "mlx5_0");
         let f = one(check_uverbs(&fake.host(), &ports));
         assert_has(&f, Status::Ok, &["/dev/infiniband/uverbs0 (mlx5_0)"], &[]);
+    }
+
+    #[test]
+    fn rdma_cm_missing_or_openable() {
+        let fake = Fake::new();
+        let f = check_rdma_cm(&fake.host(), &[]);
+        assert_has(&f, Status::Absent, &["no RDMA device"], &[]);
+        fake.roce("4: ACTIVE", "5: LinkUp").netdev("eth2", 9000, 1);
+        let ports = rdma_ports(&fake.host());
+        let f = check_rdma_cm(&fake.host(), &ports);
+        assert_has(
+            &f,
+            Status::Warn,
+            &["no /dev/infiniband/rdma_cm", "TCP set-up exchange"],
+            &["sudo modprobe rdma_ucm"],
+        );
+        fake.file("/dev/infiniband/rdma_cm", "");
+        let f = check_rdma_cm(&fake.host(), &ports);
+        assert_has(&f, Status::Ok, &["through rdma_cm"], &[]);
     }
 }

@@ -29,6 +29,7 @@
 
 #[cfg(feature = "rdma-async-rdma")]
 pub(crate) mod async_rdma;
+pub(crate) mod cm;
 pub(crate) mod driver;
 pub mod pool;
 pub mod proto;

@@ -11,8 +11,9 @@
 //! id, and comes back with its completion: no buffer can be freed or reused while the NIC may
 //! touch it, even if the operation's future is dropped. A reaper task per connection waits
 //! on the completion channel's descriptor through tokio's [`AsyncFd`], then drains the
-//! completion queue in batches and answers each operation's future. Set-up is the TCP
-//! exchange of [`setup`](super::setup).
+//! completion queue in batches and answers each operation's future. Set-up goes through
+//! rdma_cm ([`cm`](super::cm)), or the TCP exchange of [`setup`](super::setup) where rdma_cm
+//! is missing or refused.
 //!
 //! What needs hardware to be checked: everything after the device check. The protocol above
 //! this backend is the one the simulated verbs test; this file is the translation to verbs.
@@ -131,12 +132,12 @@ struct Inflight {
 type Table = Arc<Mutex<HashMap<u64, Inflight>>>;
 
 /// An open device: context, protection domain and where on it.
-struct Device {
-    ctx: Arc<DeviceContext>,
-    pd: Arc<ProtectionDomain>,
-    port: u8,
-    gid_index: u32,
-    name: String,
+pub(super) struct Device {
+    pub(super) ctx: Arc<DeviceContext>,
+    pub(super) pd: Arc<ProtectionDomain>,
+    pub(super) port: u8,
+    pub(super) gid_index: u32,
+    pub(super) name: String,
 }
 
 fn open(p: &Placement) -> Result<Device> {
@@ -170,6 +171,14 @@ fn open(p: &Placement) -> Result<Device> {
     })
 }
 
+/// What the peer may do on our queue pair: read and write the regions we advertise.
+pub(super) fn remote_access() -> AccessFlags {
+    AccessFlags::LocalWrite | AccessFlags::RemoteRead | AccessFlags::RemoteWrite
+}
+
+/// Outstanding RDMA reads a side may have, and serve (capped by the device).
+pub(super) const READS_IN_FLIGHT: u8 = 16;
+
 /// The completion channel, as [`AsyncFd`] sees it: holding the channel keeps its
 /// descriptor open for as long as the `AsyncFd` lives.
 struct ChannelFd(Arc<CompletionChannel>);
@@ -189,6 +198,9 @@ pub(crate) struct SwVerbs {
     next: AtomicU64,
     reaper: tokio::task::JoinHandle<()>,
     name: String,
+    /// What the connection's set-up must keep for as long as the queue pair lives (its
+    /// rdma_cm identifier).
+    _setup: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Drop for SwVerbs {
@@ -198,9 +210,9 @@ impl Drop for SwVerbs {
 }
 
 impl SwVerbs {
-    /// A queue pair on `dev` in the INIT state, its completion queue, and the reaper task
+    /// A queue pair on `dev` (in the RESET state), its completion queue, and the reaper task
     /// (spawned on the current runtime). `depth`: work requests per direction.
-    fn new(dev: &Device, depth: u32, peer: &str) -> Result<(SwVerbs, Endpoint)> {
+    pub(super) fn new(dev: &Device, depth: u32, peer: &str) -> Result<SwVerbs> {
         let failed = |what: &str, e: &dyn std::fmt::Display| {
             Error::new(ErrorKind::Io, format!("{what} on {}: {e:#}", dev.name))
         };
@@ -217,7 +229,7 @@ impl SwVerbs {
             .setup_comp_channel(&ch, 0)
             .build()
             .map_err(|e| failed("creating a completion queue", &e))?;
-        let mut qp = dev
+        let qp = dev
             .pd
             .create_qp_builder()
             .setup_qp_type(QueuePairType::ReliableConnection)
@@ -229,28 +241,6 @@ impl SwVerbs {
             .setup_recv_cq(GenericCompletionQueue::from(cq.clone()))
             .build()
             .map_err(|e| failed("creating a queue pair", &e))?;
-        let mut attr = QueuePairAttribute::new();
-        attr.setup_state(QueuePairState::Init)
-            .setup_pkey_index(0)
-            .setup_port(dev.port)
-            .setup_access_flags(
-                AccessFlags::LocalWrite | AccessFlags::RemoteRead | AccessFlags::RemoteWrite,
-            );
-        qp.modify(&attr)
-            .map_err(|e| failed("moving the queue pair to INIT", &e))?;
-        let port = dev
-            .ctx
-            .query_port(dev.port)
-            .map_err(|e| failed(&format!("querying port {}", dev.port), &e))?;
-        let gid = dev
-            .ctx
-            .query_gid(dev.port, dev.gid_index)
-            .map_err(|e| failed(&format!("reading GID index {}", dev.gid_index), &e))?;
-        let ours = Endpoint {
-            qpn: qp.qp_number(),
-            lid: port.lid(),
-            gid: gid.raw,
-        };
         // SAFETY: `ChannelFd` owns the channel, so the descriptor stays open and the same
         // for the whole life of the `AsyncFd`, and `as_raw_fd` always returns it.
         let fd = unsafe {
@@ -259,17 +249,58 @@ impl SwVerbs {
         .map_err(|e| Error::io("registering the completion channel", e.into()))?;
         let inflight: Table = Arc::default();
         let reaper = tokio::spawn(reap(cq, fd, inflight.clone(), peer.to_owned()));
-        Ok((
-            SwVerbs {
-                qp: Mutex::new(qp),
-                inflight,
-                pd: dev.pd.clone(),
-                next: AtomicU64::new(1),
-                reaper,
-                name: dev.name.clone(),
-            },
-            ours,
-        ))
+        Ok(SwVerbs {
+            qp: Mutex::new(qp),
+            inflight,
+            pd: dev.pd.clone(),
+            next: AtomicU64::new(1),
+            reaper,
+            name: dev.name.clone(),
+            _setup: None,
+        })
+    }
+
+    /// Keeps `what` (the set-up's rdma_cm identifier) for as long as the queue pair.
+    pub(super) fn keep(&mut self, what: Box<dyn std::any::Any + Send + Sync>) {
+        self._setup = Some(what);
+    }
+
+    /// The queue pair's number.
+    pub(super) fn qp_number(&self) -> u32 {
+        lock(&self.qp).qp_number()
+    }
+
+    /// Moves the queue pair with `attr`; `what` names the step in an error.
+    pub(super) fn modify(&self, attr: &QueuePairAttribute, what: &str) -> Result<()> {
+        lock(&self.qp)
+            .modify(attr)
+            .map_err(|e| Error::new(ErrorKind::Io, format!("{what} on {}: {e:#}", self.name)))
+    }
+
+    /// Moves the queue pair to INIT for the TCP set-up exchange; our endpoint for the peer.
+    fn init_for_exchange(&self, dev: &Device) -> Result<Endpoint> {
+        let failed = |what: &str, e: &dyn std::fmt::Display| {
+            Error::new(ErrorKind::Io, format!("{what} on {}: {e:#}", dev.name))
+        };
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Init)
+            .setup_pkey_index(0)
+            .setup_port(dev.port)
+            .setup_access_flags(remote_access());
+        self.modify(&attr, "moving the queue pair to INIT")?;
+        let port = dev
+            .ctx
+            .query_port(dev.port)
+            .map_err(|e| failed(&format!("querying port {}", dev.port), &e))?;
+        let gid = dev
+            .ctx
+            .query_gid(dev.port, dev.gid_index)
+            .map_err(|e| failed(&format!("reading GID index {}", dev.gid_index), &e))?;
+        Ok(Endpoint {
+            qpn: self.qp_number(),
+            lid: port.lid(),
+            gid: gid.raw,
+        })
     }
 
     /// Moves the queue pair to ready-to-receive and ready-to-send with the peer's `ep`.
@@ -291,7 +322,7 @@ impl SwVerbs {
             .setup_path_mtu(Mtu::Mtu1024)
             .setup_dest_qp_num(ep.qpn)
             .setup_rq_psn(0)
-            .setup_max_dest_read_atomic(16)
+            .setup_max_dest_read_atomic(READS_IN_FLIGHT)
             .setup_min_rnr_timer(12)
             .setup_address_vector(&ah);
         qp.modify(&rtr)
@@ -302,7 +333,7 @@ impl SwVerbs {
             .setup_timeout(14)
             .setup_retry_cnt(7)
             .setup_rnr_retry(7)
-            .setup_max_read_atomic(16);
+            .setup_max_read_atomic(READS_IN_FLIGHT);
         qp.modify(&rts)
             .map_err(|e| failed("moving the queue pair to RTS", &e))?;
         Ok(())
@@ -576,7 +607,8 @@ async fn handshake(
     peer: &str,
 ) -> Result<SwVerbs> {
     let dev = open(&Placement::from_env()?)?;
-    let (verbs, ours) = SwVerbs::new(&dev, cfg.recv_slots + 16, peer)?;
+    let verbs = SwVerbs::new(&dev, cfg.recv_slots + 16, peer)?;
+    let ours = verbs.init_for_exchange(&dev)?;
     let theirs = setup::exchange(tcp, ours, t).await?;
     verbs.connect(&theirs, &dev)?;
     Ok(verbs)
@@ -592,14 +624,61 @@ fn boxed_handshake<'a>(
     Box::pin(handshake(tcp, cfg, t, peer))
 }
 
+/// `rdma://host:port`: through rdma_cm where it is there and the peer takes it (see
+/// [`cm`](super::cm)), through the TCP set-up exchange otherwise.
 pub(crate) async fn connect(host: &str, port: u16, cfg: &Config) -> Result<Parts> {
+    devices()?;
+    let url = format!("rdma://{host}:{port}");
+    if super::cm::wanted()? {
+        match super::cm::Events::new() {
+            Ok(events) => {
+                let rcfg = super::config(cfg);
+                rcfg.validate()?;
+                let to = tokio::net::lookup_host((host, port))
+                    .await
+                    .map_err(|e| Error::io(format!("resolving {url}"), e))?
+                    .next()
+                    .ok_or_else(|| {
+                        Error::new(ErrorKind::Config, format!("{url}: no address for {host}"))
+                    })?;
+                match super::cm::connect(events, to, &rcfg, cfg.handshake_timeout, &url).await {
+                    Ok(verbs) => {
+                        return super::establish(Arc::new(verbs), rcfg, url.clone(), url).await;
+                    }
+                    Err(e) if e.kind() == ErrorKind::ConnectionRefused => tracing::info!(
+                        %url, "rdma_cm set-up refused ({e:#}); trying the TCP set-up exchange"
+                    ),
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(e) => {
+                tracing::info!(%url, "{e:#}; using the TCP set-up exchange")
+            }
+        }
+    }
     setup::connect(host, port, cfg, devices, boxed_handshake).await
 }
 
+/// An `rdma://host:port` listener: the TCP set-up exchange at `host:port`, and rdma_cm at the
+/// same address where it is there.
 pub(crate) async fn bind(
     host: &str,
     port: u16,
     cfg: &Config,
 ) -> Result<(Box<dyn AcceptHalf>, String)> {
-    setup::bind(host, port, cfg, devices, boxed_handshake).await
+    let (tcp, url) = setup::bind(host, port, cfg, devices, boxed_handshake).await?;
+    if !super::cm::wanted()? {
+        return Ok((tcp, url));
+    }
+    let at: std::net::SocketAddr = url
+        .strip_prefix("rdma://")
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| Error::new(ErrorKind::Io, format!("rdma listener address {url:?}")))?;
+    match super::cm::listen(at, cfg) {
+        Ok(cm) => Ok((Box::new(super::cm::Both { cm, tcp }), url)),
+        Err(e) => {
+            tracing::info!(%url, "{e:#}; accepting the TCP set-up exchange only");
+            Ok((tcp, url))
+        }
+    }
 }
