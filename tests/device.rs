@@ -731,6 +731,49 @@ mod rdma {
         .await;
     }
 
+    /// Staged pieces are buffers of the GPU's staging pool, shared by every channel on
+    /// it: they return to the pool as soon as the driver has them (copied), not when the
+    /// peer has read them, or one slow peer would stall staging on every channel.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn staged_pieces_do_not_hold_the_staging_pool_until_their_fin() {
+        let gpu = small_staging(&Gpu::stand_in());
+        let (sa, sb) = sim::pair(SimConfig::default());
+        sb.set_faults(Faults {
+            delay: Some((Duration::from_secs(2), Duration::from_secs(2))),
+            ..Faults::default()
+        });
+        let cfg = RdmaConfig {
+            gpudirect: false,
+            ..cfg()
+        };
+        let (mut a, mut b) = channel_pair(sa.clone(), sb, cfg).await.unwrap();
+        let bytes = pattern(1 << 20, 4);
+        // 16 pieces of 64 KiB through a pool of 3 buffers, while the peer's FINs are late.
+        timeout(Duration::from_secs(1), async {
+            a.send(
+                Message::new("g")
+                    .unwrap()
+                    .with_body(gpu.upload(&bytes).unwrap()),
+            )
+            .await
+            .unwrap();
+            a.flush().await.unwrap();
+        })
+        .await
+        .expect("staging stalled behind the peer's FINs");
+        settle("the pieces are handed to the driver", || {
+            gpu.staging_in_use().1 == 0
+        })
+        .await;
+        assert!(
+            sa.stats().exposed > 0,
+            "the pieces are still lent (as copies)"
+        );
+        let m = timeout(GUARD, b.recv()).await.unwrap().unwrap().unwrap();
+        assert_eq!(m.body().as_bytes().unwrap(), &bytes[..]);
+        assert_eq!(a.info().device_bodies().staged, 1);
+    }
+
     /// `rdma_gpudirect(false)`: staged through host memory, and counted so.
     #[tokio::test]
     async fn rdma_without_gpudirect_stages() {

@@ -290,12 +290,39 @@ impl Backend for Cuda {
     }
 
     /// `cuMemGetHandleForAddressRange` over the body's whole allocation (the range must be
-    /// page-aligned: allocations are whole 2 MiB blocks, see `alloc`); drivers without
-    /// dma-buf support (before CUDA 11.7, or the GPU's `DMA_BUF_SUPPORTED` attribute off)
-    /// refuse, and the body is staged.
+    /// page-aligned: allocations are whole 2 MiB blocks, see `alloc`). Drivers without
+    /// dma-buf export (before 11.7, or the GPU's `DMA_BUF_SUPPORTED` attribute 0) are
+    /// `Unavailable`, checked before the call, and the body is staged.
     #[cfg(feature = "rdma")]
     fn dmabuf(&self, mem: &Arc<dyn Mem>) -> Result<super::DmaBuf> {
         use std::os::fd::FromRawFd;
+        // cudarc resolves a symbol when first called and panics when the driver lacks it:
+        // check the driver's version (dma-buf export is 11.7's) and the device first.
+        let mut version = 0;
+        // SAFETY: an out-pointer to a local; `cuDriverGetVersion` is in every driver.
+        unsafe { sys::cuDriverGetVersion(&mut version) }
+            .result()
+            .map_err(|e| failed("reading the driver's version", e))?;
+        if version < 11070 {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "the CUDA driver (API {}.{}) exports no dma-bufs: 11.7 or later is needed",
+                    version / 1000,
+                    version % 1000 / 10
+                ),
+            ));
+        }
+        let supported = self
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)
+            .map_err(|e| failed("asking the device about dma-bufs", e))?;
+        if supported == 0 {
+            return Err(Error::new(
+                ErrorKind::Unavailable,
+                "this GPU (or its driver) does not export dma-bufs (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0)",
+            ));
+        }
         let m = mine(&**mem)?;
         let slice = m.slice();
         let stream = slice.stream();

@@ -141,9 +141,10 @@ impl Verbs for ArVerbs {
             })
     }
 
-    /// async-rdma registers only memory it allocates: the body is copied into a fresh
-    /// region of its own (one registration per body, as on the other backend, at the cost
-    /// of a copy).
+    /// async-rdma registers only memory it allocates: the body is copied into a region it
+    /// allocates for it, dropped at the `FIN`. Its allocator may carve that region from a
+    /// larger registration, whose key then outlives the `FIN` (within this connection's
+    /// protection domain): the per-body key of the sideway backend is not promised here.
     #[cfg_attr(not(feature = "cuda"), allow(clippy::infallible_destructuring_match))]
     fn expose(&self, src: Source) -> std::result::Result<(ArMr, RemoteRegion), VerbsError> {
         let bytes = match &src {

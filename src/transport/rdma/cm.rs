@@ -6,14 +6,18 @@
 //! needed), and exchanges the queue-pair numbers in its own connection messages. The queue
 //! pair is ours (created on the device rdma_cm chose) and moved through INIT, RTR and RTS
 //! with the attributes rdma_cm computes, raised where the protocol needs more: remote read
-//! and write access, [`READS_IN_FLIGHT`] RDMA reads each way, retries as the TCP set-up sets
-//! them. Then the protocol's `HELLO` runs over the queue pair, as after the TCP set-up.
+//! and write access, up to [`READS_IN_FLIGHT`] RDMA reads each way (as the device allows),
+//! retries as the TCP set-up sets them. (sideway's connection parameters carry only the
+//! queue-pair number: rdma_cm tells the peer one read each way, which its own attributes
+//! raise as ours do.) Then the protocol's `HELLO` runs over the queue pair, as after the TCP set-up.
 //!
 //! The listener takes both: rdma_cm connection requests at `host:port` (rdma_cm's own port
 //! space, beside the kernel's TCP ports) and the TCP set-up exchange at the same `host:port`.
-//! A connecting side tries rdma_cm first and falls back to the TCP exchange when rdma_cm is
-//! not there (no `/dev/infiniband/rdma_cm`, no librdmacm) or the peer refuses (a listener on
-//! the async-rdma backend, which has only the TCP exchange), saying so in the log.
+//! A connecting side tries rdma_cm first and falls back to the TCP exchange, saying so in the
+//! log, when rdma_cm is not there (no `/dev/infiniband/rdma_cm`, no librdmacm) or fails
+//! before the peer accepts: the address is not on an RDMA interface, no route, or the peer
+//! refuses or does not answer (a listener on the async-rdma backend, which has only the TCP
+//! exchange).
 //! `HYPERFRAMES_RDMA_SETUP=tcp` skips rdma_cm.
 //!
 //! Like the rest of this backend, this has not run on a NIC yet: CI has none, and soft-RoCE
@@ -34,7 +38,9 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
 use super::RdmaConfig;
-use super::sideway::{Device, READS_IN_FLIGHT, SwVerbs, remote_access};
+#[cfg(doc)]
+use super::sideway::READS_IN_FLIGHT;
+use super::sideway::{Device, SwVerbs, remote_access};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::{AcceptHalf, Config, Parts};
 
@@ -147,7 +153,7 @@ impl Events {
 
 /// The attributes rdma_cm computes for moving to `state`, raised where the protocol needs
 /// more (as the TCP set-up sets them).
-fn attr(id: &Identifier, state: QueuePairState) -> Result<QueuePairAttribute> {
+fn attr(id: &Identifier, state: QueuePairState, reads: u8) -> Result<QueuePairAttribute> {
     let mut a = id
         .get_qp_attr(state)
         .map_err(|e| cm_failed(&format!("queue-pair attributes for {state:?}"), e))?;
@@ -156,14 +162,13 @@ fn attr(id: &Identifier, state: QueuePairState) -> Result<QueuePairAttribute> {
             a.setup_access_flags(remote_access());
         }
         QueuePairState::ReadyToReceive => {
-            a.setup_max_dest_read_atomic(READS_IN_FLIGHT)
-                .setup_min_rnr_timer(12);
+            a.setup_max_dest_read_atomic(reads).setup_min_rnr_timer(12);
         }
         _ => {
             a.setup_timeout(14)
                 .setup_retry_cnt(7)
                 .setup_rnr_retry(7)
-                .setup_max_read_atomic(READS_IN_FLIGHT);
+                .setup_max_read_atomic(reads);
         }
     }
     Ok(a)
@@ -190,7 +195,7 @@ fn queue_pair(id: &Identifier, cfg: &RdmaConfig, peer: &str) -> Result<SwVerbs> 
     };
     let verbs = SwVerbs::new(&dev, cfg.recv_slots + 16, peer)?;
     verbs.modify(
-        &attr(id, QueuePairState::Init)?,
+        &attr(id, QueuePairState::Init, verbs.reads())?,
         "moving the queue pair to INIT",
     )?;
     Ok(verbs)
@@ -202,6 +207,15 @@ fn params(verbs: &SwVerbs) -> ConnectionParameter {
     p
 }
 
+/// Why the rdma_cm set-up failed, and whether the TCP set-up exchange may be tried instead.
+pub(super) struct Failed {
+    pub(super) error: Error,
+    /// True when the peer has not accepted an rdma_cm connection: the address is not on an
+    /// RDMA interface, no route, the peer refused or did not answer (a listener without
+    /// rdma_cm, or on the async-rdma backend).
+    pub(super) before_accept: bool,
+}
+
 /// The active side: address and route resolution, our queue pair, the connection request,
 /// and on the peer's answer our queue pair moved to RTS.
 pub(super) async fn connect(
@@ -210,7 +224,48 @@ pub(super) async fn connect(
     cfg: &RdmaConfig,
     t: Duration,
     peer: &str,
-) -> Result<SwVerbs> {
+) -> std::result::Result<SwVerbs, Failed> {
+    let (id, mut verbs, events) =
+        request(events, to, cfg, t, peer)
+            .await
+            .map_err(|error| Failed {
+                error,
+                before_accept: true,
+            })?;
+    let late = |error| Failed {
+        error,
+        before_accept: false,
+    };
+    let reads = verbs.reads();
+    verbs
+        .modify(
+            &attr(&id, QueuePairState::ReadyToReceive, reads).map_err(late)?,
+            "moving the queue pair to RTR",
+        )
+        .map_err(late)?;
+    verbs
+        .modify(
+            &attr(&id, QueuePairState::ReadyToSend, reads).map_err(late)?,
+            "moving the queue pair to RTS",
+        )
+        .map_err(late)?;
+    id.establish()
+        .map_err(|e| late(cm_failed("establishing the connection", e)))?;
+    // Later events (the peer's disconnect) are not needed: the protocol's keepalive and
+    // heartbeat find a peer that is gone.
+    verbs.keep(Box::new((id, events)));
+    Ok(verbs)
+}
+
+/// [`connect`] up to the peer's acceptance: the identifier, our queue pair in INIT, and
+/// the event channel.
+async fn request(
+    events: Events,
+    to: SocketAddr,
+    cfg: &RdmaConfig,
+    t: Duration,
+    peer: &str,
+) -> Result<(Arc<Identifier>, SwVerbs, Events)> {
     let id = events
         .channel()
         .create_id(PortSpace::Tcp)
@@ -230,7 +285,7 @@ pub(super) async fn connect(
             &format!("resolving a route to {to}"),
         )
         .await?;
-    let mut verbs = queue_pair(&id, cfg, peer)?;
+    let verbs = queue_pair(&id, cfg, peer)?;
     id.connect(params(&verbs))
         .map_err(|e| cm_failed(&format!("connecting to {to}"), e))?;
     events
@@ -240,20 +295,7 @@ pub(super) async fn connect(
             &format!("connecting to {to}"),
         )
         .await?;
-    verbs.modify(
-        &attr(&id, QueuePairState::ReadyToReceive)?,
-        "moving the queue pair to RTR",
-    )?;
-    verbs.modify(
-        &attr(&id, QueuePairState::ReadyToSend)?,
-        "moving the queue pair to RTS",
-    )?;
-    id.establish()
-        .map_err(|e| cm_failed("establishing the connection", e))?;
-    // Later events (the peer's disconnect) are not needed: the protocol's keepalive and
-    // heartbeat find a peer that is gone.
-    verbs.keep(Box::new((id, events)));
-    Ok(verbs)
+    Ok((id, verbs, events))
 }
 
 /// The passive side of one connection request: our queue pair on the device the request
@@ -261,11 +303,11 @@ pub(super) async fn connect(
 fn accept_one(id: Arc<Identifier>, cfg: &RdmaConfig, peer: &str) -> Result<SwVerbs> {
     let mut verbs = queue_pair(&id, cfg, peer)?;
     verbs.modify(
-        &attr(&id, QueuePairState::ReadyToReceive)?,
+        &attr(&id, QueuePairState::ReadyToReceive, verbs.reads())?,
         "moving the queue pair to RTR",
     )?;
     verbs.modify(
-        &attr(&id, QueuePairState::ReadyToSend)?,
+        &attr(&id, QueuePairState::ReadyToSend, verbs.reads())?,
         "moving the queue pair to RTS",
     )?;
     id.accept(params(&verbs))

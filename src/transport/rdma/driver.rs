@@ -33,14 +33,12 @@ use futures_util::task::AtomicWaker;
 
 use super::pool::{Lease, Pool, PoolError};
 use super::proto::{self, Connection, Params, ProtoError, ReadRequest};
-#[cfg(feature = "cuda")]
-use super::verbs::RemoteRegion;
-use super::verbs::{Access, Region, Source, Verbs, VerbsError};
+use super::verbs::{Access, Region, RemoteRegion, Source, Verbs, VerbsError};
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::Limits;
-use crate::message::Message;
 #[cfg(feature = "cuda")]
-use crate::message::{Body, Flags, Header, Meta};
+use crate::message::{Body, Header, Meta};
+use crate::message::{Flags, Message};
 use crate::transport::heartbeat::{self, Silence};
 use crate::transport::{RecvHalf, SendHalf};
 
@@ -205,6 +203,15 @@ enum Held<V: Verbs> {
     Device(#[allow(dead_code)] Box<dyn std::any::Any + Send + Sync>),
 }
 
+/// Follows the channel's wire form of bodies staged from device memory through the messages
+/// sent, in order (`staging`: inside one): true when a message with `flags` is a piece of one.
+fn staged_piece(staging: &mut bool, flags: Flags) -> bool {
+    let announce = flags.contains(Flags::DEVICE);
+    let piece = *staging && !announce;
+    *staging = (announce || piece) && flags.contains(Flags::MORE);
+    piece
+}
+
 /// The connection task.
 pub(crate) struct Driver<V: Verbs> {
     verbs: Arc<V>,
@@ -222,6 +229,10 @@ pub(crate) struct Driver<V: Verbs> {
     held: HashMap<u64, (Held<V>, usize)>,
     /// Bytes in `held` (at most `pool_bytes`, but always one body).
     held_bytes: usize,
+    /// Inside a body staged from device memory (the channel's wire form: an announcement
+    /// with `DEVICE | MORE`, then pieces until one without `MORE`), whose pieces are buffers
+    /// of the GPU's staging pool.
+    staging: bool,
     reads_waiting: VecDeque<ReadRequest>,
     reading: HashMap<u64, Lease<V>>,
     /// Body bytes being fetched (announced, not yet read).
@@ -327,6 +338,7 @@ impl<V: Verbs> Driver<V> {
             recv_held: VecDeque::new(),
             held: HashMap::new(),
             held_bytes: 0,
+            staging: false,
             reads_waiting: VecDeque::new(),
             reading: HashMap::new(),
             rx_pending: 0,
@@ -345,6 +357,15 @@ impl<V: Verbs> Driver<V> {
             verbs,
         };
         Ok((d, sh))
+    }
+
+    /// `bytes` copied to memory of their own, registered for the peer to read.
+    fn expose_copy(
+        &self,
+        bytes: &[u8],
+    ) -> std::result::Result<(V::Exposed, RemoteRegion), VerbsError> {
+        self.verbs
+            .expose(Source::Host(Bytes::copy_from_slice(bytes)))
     }
 
     fn fail(&mut self, e: Error) -> Poll<()> {
@@ -488,6 +509,7 @@ impl<V: Verbs> Driver<V> {
                         ));
                     };
                     let msg = st.outq.pop_front().expect("front exists");
+                    staged_piece(&mut self.staging, msg.header().flags);
                     let rid = self.conn.send_rendezvous(msg, region);
                     self.held
                         .insert(rid, (Held::Device(reg), region.len as usize));
@@ -498,6 +520,7 @@ impl<V: Verbs> Driver<V> {
                 }
                 if self.conn.is_eager(msg) {
                     let msg = st.outq.pop_front().expect("front exists");
+                    staged_piece(&mut self.staging, msg.header().flags);
                     self.conn.send_eager(msg);
                 } else {
                     let len = msg.body().len();
@@ -517,10 +540,27 @@ impl<V: Verbs> Driver<V> {
                         break;
                     }
                     let bytes = msg.body().as_bytes().cloned().unwrap_or_default();
-                    let (exposed, region) = self
-                        .verbs
-                        .expose(Source::Host(bytes))
-                        .map_err(|e| verbs_error(e, &peer))?;
+                    let (exposed, region) = if staged_piece(&mut self.staging, msg.header().flags) {
+                        // A buffer of the GPU's staging pool, which every channel on that GPU
+                        // shares: copied, so that it returns at once (as on every other
+                        // transport) instead of when the peer has read it.
+                        self.expose_copy(&bytes)
+                            .map_err(|e| verbs_error(e, &peer))?
+                    } else {
+                        match self.verbs.expose(Source::Host(bytes.clone())) {
+                            Ok(x) => x,
+                            Err(e) => {
+                                // Memory the NIC cannot register where it lies (a special
+                                // mapping): a copy in ordinary memory.
+                                tracing::debug!(
+                                    peer = %peer,
+                                    "rdma: a body is copied, its memory cannot be registered: {e}"
+                                );
+                                self.expose_copy(&bytes)
+                                    .map_err(|e| verbs_error(e, &peer))?
+                            }
+                        }
+                    };
                     let msg = st.outq.pop_front().expect("front exists");
                     let rid = self.conn.send_rendezvous(msg, region);
                     self.held.insert(rid, (Held::Host(exposed), len));
@@ -803,6 +843,7 @@ impl Shared {
 pub(crate) struct RdmaSender<V: Verbs> {
     sh: Arc<Shared>,
     send_queue: usize,
+    pool_bytes: u64,
     #[cfg(feature = "cuda")]
     device: DeviceSend<V>,
     #[cfg(not(feature = "cuda"))]
@@ -816,7 +857,6 @@ struct DeviceSend<V: Verbs> {
     verbs: Arc<V>,
     on: bool,
     prepared: Option<(Box<dyn std::any::Any + Send + Sync>, RemoteRegion)>,
-    told: bool,
 }
 
 impl<V: Verbs> RdmaSender<V> {
@@ -826,12 +866,12 @@ impl<V: Verbs> RdmaSender<V> {
         RdmaSender {
             sh,
             send_queue: cfg.send_queue,
+            pool_bytes: cfg.pool_bytes,
             #[cfg(feature = "cuda")]
             device: DeviceSend {
                 verbs,
                 on: cfg.gpudirect,
                 prepared: None,
-                told: false,
             },
             #[cfg(not(feature = "cuda"))]
             _verbs: std::marker::PhantomData,
@@ -867,13 +907,28 @@ impl<V: Verbs> SendHalf for RdmaSender<V> {
     }
 
     fn start_send(&mut self, msg: Message) -> Result<()> {
+        // What `takes_device` registered goes with this message, or with the error.
+        #[cfg(feature = "cuda")]
+        let prepared = self.device.prepared.take();
+        if msg.body().len() as u64 > self.pool_bytes {
+            return Err(Error::new(
+                ErrorKind::LimitExceeded,
+                format!(
+                    "a {}-byte body exceeds this rdma:// connection's registered-memory budget \
+                     of {} bytes (ContextBuilder::rdma_pool_bytes)",
+                    msg.body().len(),
+                    self.pool_bytes
+                ),
+            )
+            .with_message(msg));
+        }
         let mut st = lock(&self.sh.st);
         if let Err(e) = self.check(&st) {
             return Err(e.with_message(msg));
         }
         #[cfg(feature = "cuda")]
         if msg.body().as_device().is_some() {
-            let Some(reg) = self.device.prepared.take() else {
+            let Some(reg) = prepared else {
                 return Err(Error::new(
                     ErrorKind::Mismatch,
                     "a device body handed to rdma:// without takes_device",
@@ -915,6 +970,7 @@ impl<V: Verbs> SendHalf for RdmaSender<V> {
         body: &crate::device::DeviceBody,
     ) -> Option<crate::transport::DeviceWay> {
         let d = &mut self.device;
+        d.prepared = None;
         if !d.on || body.is_empty() {
             return None;
         }
@@ -938,14 +994,14 @@ impl<V: Verbs> SendHalf for RdmaSender<V> {
                 Some(crate::transport::DeviceWay::GpuDirect)
             }
             Err(e) => {
-                if !d.told {
-                    d.told = true;
-                    tracing::info!(
-                        peer = %self.sh.peer,
-                        "rdma: device bodies are staged through host memory, not read by the \
-                         NIC from the device (GPUDirect RDMA): {e}"
-                    );
-                }
+                // Not tried again on this channel: what refused (the device's driver, the
+                // NIC's) would refuse the next body too, after the same blocking calls.
+                d.on = false;
+                tracing::info!(
+                    peer = %self.sh.peer,
+                    "rdma: device bodies are staged through host memory, not read by the \
+                     NIC from the device (GPUDirect RDMA): {e}"
+                );
                 None
             }
         }
@@ -1062,4 +1118,24 @@ pub(crate) fn halves<V: Verbs>(
         Box::new(RdmaSender::new(sh.clone(), verbs, cfg)),
         Box::new(RdmaReceiver::new(sh)),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staged_pieces_are_told_from_other_messages() {
+        let (dm, m, n) = (Flags::DEVICE.union(Flags::MORE), Flags::MORE, Flags::NONE);
+        let mut staging = false;
+        let mut seen = |f| staged_piece(&mut staging, f);
+        // A message, a staged body of three pieces, a message, an empty device body, a
+        // body sent in one piece (GPUDirect), a message.
+        let flags = [n, dm, m, m, n, Flags::REQUEST, Flags::DEVICE, n, dm, n, n];
+        let want = [
+            false, false, true, true, true, false, false, false, false, true, false,
+        ];
+        let got: Vec<bool> = flags.iter().map(|&f| seen(f)).collect();
+        assert_eq!(got, want);
+    }
 }

@@ -176,7 +176,8 @@ pub(super) fn remote_access() -> AccessFlags {
     AccessFlags::LocalWrite | AccessFlags::RemoteRead | AccessFlags::RemoteWrite
 }
 
-/// Outstanding RDMA reads a side may have, and serve (capped by the device).
+/// Outstanding RDMA reads a side asks to have, and to serve ([`SwVerbs::reads`] caps it by
+/// the device's limits).
 pub(super) const READS_IN_FLIGHT: u8 = 16;
 
 /// The completion channel, as [`AsyncFd`] sees it: holding the channel keeps its
@@ -198,6 +199,9 @@ pub(crate) struct SwVerbs {
     next: AtomicU64,
     reaper: tokio::task::JoinHandle<()>,
     name: String,
+    /// Outstanding RDMA reads each way: [`READS_IN_FLIGHT`], or less where the device
+    /// allows less (`max_qp_rd_atom`, `max_qp_init_rd_atom`).
+    reads: u8,
     /// What the connection's set-up must keep for as long as the queue pair lives (its
     /// rdma_cm identifier).
     _setup: Option<Box<dyn std::any::Any + Send + Sync>>,
@@ -241,6 +245,19 @@ impl SwVerbs {
             .setup_recv_cq(GenericCompletionQueue::from(cq.clone()))
             .build()
             .map_err(|e| failed("creating a queue pair", &e))?;
+        let caps = dev
+            .ctx
+            .query_device()
+            .map_err(|e| failed("querying the device's limits", &e))?;
+        let reads = [
+            i64::from(READS_IN_FLIGHT),
+            i64::from(caps.max_qp_rd_atom()),
+            i64::from(caps.max_qp_init_rd_atom()),
+        ]
+        .into_iter()
+        .min()
+        .unwrap_or(1)
+        .clamp(1, i64::from(READS_IN_FLIGHT)) as u8;
         // SAFETY: `ChannelFd` owns the channel, so the descriptor stays open and the same
         // for the whole life of the `AsyncFd`, and `as_raw_fd` always returns it.
         let fd = unsafe {
@@ -256,6 +273,7 @@ impl SwVerbs {
             next: AtomicU64::new(1),
             reaper,
             name: dev.name.clone(),
+            reads,
             _setup: None,
         })
     }
@@ -263,6 +281,11 @@ impl SwVerbs {
     /// Keeps `what` (the set-up's rdma_cm identifier) for as long as the queue pair.
     pub(super) fn keep(&mut self, what: Box<dyn std::any::Any + Send + Sync>) {
         self._setup = Some(what);
+    }
+
+    /// Outstanding RDMA reads each way, within the device's limits.
+    pub(super) fn reads(&self) -> u8 {
+        self.reads
     }
 
     /// The queue pair's number.
@@ -322,7 +345,7 @@ impl SwVerbs {
             .setup_path_mtu(Mtu::Mtu1024)
             .setup_dest_qp_num(ep.qpn)
             .setup_rq_psn(0)
-            .setup_max_dest_read_atomic(READS_IN_FLIGHT)
+            .setup_max_dest_read_atomic(self.reads)
             .setup_min_rnr_timer(12)
             .setup_address_vector(&ah);
         qp.modify(&rtr)
@@ -333,7 +356,7 @@ impl SwVerbs {
             .setup_timeout(14)
             .setup_retry_cnt(7)
             .setup_rnr_retry(7)
-            .setup_max_read_atomic(READS_IN_FLIGHT);
+            .setup_max_read_atomic(self.reads);
         qp.modify(&rts)
             .map_err(|e| failed("moving the queue pair to RTS", &e))?;
         Ok(())
@@ -513,6 +536,10 @@ impl Verbs for SwVerbs {
             VerbsError::new(VerbOp::Register, WcStatus::NoMemory)
                 .with_detail(format!("{e:#} ({hint})"))
         };
+        if src.is_empty() {
+            return Err(VerbsError::new(VerbOp::Register, WcStatus::Other)
+                .with_detail("an empty body is not lent"));
+        }
         let (mr, addr, len) = match &src {
             Source::Host(b) => {
                 let (addr, len) = (b.as_ptr() as u64, b.len());
@@ -520,13 +547,10 @@ impl Verbs for SwVerbs {
                 // by the returned `SwExposed`, whose field order drops the registration
                 // first. Remote read is the only access granted: neither we nor the peer
                 // write them through it.
-                let mr = unsafe {
-                    self.pd
-                        .reg_mr(addr as usize, len.max(1), AccessFlags::RemoteRead)
-                }
-                .map_err(|e| {
-                    refused(&e, "is the locked-memory limit, `ulimit -l`, large enough?")
-                })?;
+                let mr = unsafe { self.pd.reg_mr(addr as usize, len, AccessFlags::RemoteRead) }
+                    .map_err(|e| {
+                        refused(&e, "is the locked-memory limit, `ulimit -l`, large enough?")
+                    })?;
                 (mr, addr, len)
             }
             #[cfg(feature = "cuda")]
@@ -645,10 +669,11 @@ pub(crate) async fn connect(host: &str, port: u16, cfg: &Config) -> Result<Parts
                     Ok(verbs) => {
                         return super::establish(Arc::new(verbs), rcfg, url.clone(), url).await;
                     }
-                    Err(e) if e.kind() == ErrorKind::ConnectionRefused => tracing::info!(
-                        %url, "rdma_cm set-up refused ({e:#}); trying the TCP set-up exchange"
+                    Err(f) if f.before_accept => tracing::info!(
+                        %url, "rdma_cm set-up failed ({:#}); trying the TCP set-up exchange",
+                        f.error
                     ),
-                    Err(e) => return Err(e),
+                    Err(f) => return Err(f.error),
                 }
             }
             Err(e) => {

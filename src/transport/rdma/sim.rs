@@ -111,8 +111,10 @@ struct SimMem {
     owner: Option<Box<dyn Send + Sync>>,
 }
 
-// SAFETY: `SimMem` owns its allocation; access to the bytes follows the verbs ownership
-// rules documented on `Region` (one owner writes, remote access only through operations).
+// SAFETY: `SimMem` owns its allocation, or (lent memory) holds its owner, which is
+// `Send + Sync`; access to the bytes follows the verbs ownership rules documented on
+// `Region` (one owner writes, remote access only through operations; lent memory is
+// registered for remote read only and never written).
 unsafe impl Send for SimMem {}
 // SAFETY: as above; shared access goes through raw-pointer copies made by operations that
 // own the destination.

@@ -222,7 +222,9 @@ pub trait Region: Send + Sync + Unpin + 'static {
 /// while the protocol lends it: the `rkey` the peer learns reaches nothing else and dies at
 /// the peer's `FIN` (or when the connection ends). A pool buffer registered for remote read
 /// and reused would hand the peer a key that, after the `FIN`, still reaches whatever the
-/// buffer holds next.
+/// buffer holds next. (So on the sideway backend and the simulation; async-rdma registers
+/// only memory it allocates, and may carve it from a larger registration of its own: there
+/// the key may outlive the `FIN`, within that connection's protection domain.)
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Source {
