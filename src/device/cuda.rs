@@ -70,6 +70,22 @@ pub(super) fn open(ordinal: usize) -> Result<Arc<dyn Backend>> {
 /// Allocations that may be lent over CUDA IPC are made in multiples of this.
 const IPC_GRANULE: usize = 2 << 20;
 
+/// Where `slice` lies (its device pointer) in the allocation it was carved from (base and
+/// size), with its stream's context bound: what is exported (IPC handles, dma-bufs) is the
+/// whole allocation.
+#[cfg(any(feature = "shm", feature = "rdma"))]
+fn allocation(slice: &CudaSlice<u8>) -> Result<(sys::CUdeviceptr, sys::CUdeviceptr, usize)> {
+    let stream = slice.stream();
+    bind(stream)?;
+    let (ptr, _record) = slice.device_ptr(stream);
+    let (mut base, mut size) = (0, 0);
+    // SAFETY: out-pointers to locals; `ptr` is device memory of the bound context.
+    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+        .result()
+        .map_err(|e| failed("finding a body's allocation", e))?;
+    Ok((ptr, base, size))
+}
+
 struct Cuda {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -262,14 +278,8 @@ impl Backend for Cuda {
         let m = mine(&**mem)?;
         let slice = m.slice();
         let stream = slice.stream();
-        bind(stream)?;
-        let (ptr, _record) = slice.device_ptr(stream);
-        // The handle names the whole allocation: find where the body lies in it.
-        let (mut base, mut size) = (0, 0);
-        // SAFETY: out-pointers to locals; `ptr` is device memory of the bound context.
-        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
-            .result()
-            .map_err(|e| failed("finding a body's allocation", e))?;
+        // The handle names the whole allocation: where the body lies in it.
+        let (ptr, base, _size) = allocation(slice)?;
         let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
         // SAFETY: `base` is the start of an allocation of this context; the handle is an
         // out-pointer to a local. Memory of a stream-ordered pool is refused here (an
@@ -326,13 +336,7 @@ impl Backend for Cuda {
         let m = mine(&**mem)?;
         let slice = m.slice();
         let stream = slice.stream();
-        bind(stream)?;
-        let (ptr, _record) = slice.device_ptr(stream);
-        let (mut base, mut size) = (0, 0);
-        // SAFETY: out-pointers to locals; `ptr` is device memory of the bound context.
-        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
-            .result()
-            .map_err(|e| failed("finding a body's allocation", e))?;
+        let (ptr, base, size) = allocation(slice)?;
         let mut fd: std::ffi::c_int = -1;
         // SAFETY: the handle is an out-pointer to a local `int` (what the dma-buf handle type
         // writes); `base..base + size` is one allocation of the bound context.
