@@ -28,6 +28,7 @@ fn url(scheme: &str) -> String {
         "tcp" => "tcp://127.0.0.1:0".into(),
         "shm" => format!("shm://dev-{}-{n}", std::process::id()),
         "rdma+sim" => format!("rdma+sim://dev-{n}"),
+        "rdma" => "rdma://127.0.0.1:0".into(),
         _ => format!("inproc://dev-{n}"),
     }
 }
@@ -823,6 +824,14 @@ async fn gpu_round_trip(scheme: &str) {
             );
         }
     }
+    if scheme == "rdma" {
+        assert_eq!(
+            a.info().device_path(),
+            "gpudirect",
+            "{:?}",
+            a.info().device_bodies()
+        );
+    }
 }
 
 #[tokio::test]
@@ -835,6 +844,15 @@ async fn gpu_inproc() {
 #[ignore = "needs a GPU"]
 async fn gpu_tcp_staged() {
     gpu_round_trip("tcp").await;
+}
+
+/// GPUDirect RDMA: the NIC reads the body from device memory (needs an RDMA NIC whose driver
+/// takes dma-bufs, and a GPU that exports them).
+#[cfg(feature = "rdma")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a GPU and an RDMA NIC"]
+async fn gpu_rdma_gpudirect() {
+    gpu_round_trip("rdma").await;
 }
 
 /// Within one process CUDA does not open its own IPC handles: staged, and said so.
