@@ -669,13 +669,14 @@ mod rdma {
         }
     }
 
-    /// Small (below the eager size) and large bodies alike are read from device memory:
-    /// each registered once, for exactly its bytes, and released at its FIN.
+    /// Small (below the eager size) and large bodies alike are read from device memory
+    /// into device memory: each registered once on each side, for exactly its bytes (the
+    /// sender's released at its FIN), no host buffer between.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn rdma_reads_device_bodies_where_they_lie() {
         let (ours, theirs) = (Gpu::stand_in(), Gpu::stand_in());
         let (sa, sb) = sim::pair(SimConfig::default());
-        let (mut a, mut b) = channel_pair(sa.clone(), sb, cfg()).await.unwrap();
+        let (mut a, mut b) = channel_pair(sa.clone(), sb.clone(), cfg()).await.unwrap();
         b.halves_mut().1.land_on(Some(theirs.clone()));
         let lens = [1usize, 4097, (5 << 20) + 5];
         for (i, &len) in lens.iter().enumerate() {
@@ -692,6 +693,10 @@ mod rdma {
         assert_eq!((n.gpudirect, n.staged), (3, 0), "{n:?}");
         let st = sa.stats();
         assert_eq!(st.exposures, 3, "one registration per body: {st:?}");
+        assert_eq!(st.dmabufs, 3, "lent from device memory: {st:?}");
+        let rb = sb.stats();
+        assert_eq!(rb.dmabufs, 3, "read into device memory: {rb:?}");
+        assert_eq!(rb.reads, 3, "each read straight into its target: {rb:?}");
         let regions = sa.exposed_regions();
         let lent: Vec<u64> = regions.iter().map(|r| r.len).collect();
         assert_eq!(lent, lens.map(|l| l as u64), "each covers its body alone");
@@ -773,6 +778,45 @@ mod rdma {
         let m = timeout(GUARD, b.recv()).await.unwrap().unwrap().unwrap();
         assert_eq!(m.body().as_bytes().unwrap(), &bytes[..]);
         assert_eq!(a.info().device_bodies().staged, 1);
+    }
+
+    /// A NIC whose driver takes no dma-bufs: on the sending side the bodies are staged (and
+    /// counted so); on the receiving side they are read into host memory and copied to the
+    /// device. Every byte arrives either way, where the receiver lands it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn without_dmabuf_support_bodies_are_staged_or_copied() {
+        for refusing in ["sender", "receiver"] {
+            let (ours, theirs) = (Gpu::stand_in(), Gpu::stand_in());
+            let (sa, sb) = sim::pair(SimConfig::default());
+            let no = Faults {
+                no_dmabuf: true,
+                ..Faults::default()
+            };
+            if refusing == "sender" { &sa } else { &sb }.set_faults(no);
+            let (mut a, mut b) = channel_pair(sa.clone(), sb.clone(), cfg()).await.unwrap();
+            b.halves_mut().1.land_on(Some(theirs.clone()));
+            for (i, len) in [5000usize, (2 << 20) + 1].into_iter().enumerate() {
+                let bytes = pattern(len, i as u8);
+                a.send(
+                    Message::new("g")
+                        .unwrap()
+                        .with_body(ours.upload(&bytes).unwrap()),
+                )
+                .await
+                .unwrap();
+                let m = timeout(GUARD, b.recv()).await.unwrap().unwrap().unwrap();
+                assert_eq!(m.body().location(), Location::StandIn, "{refusing}");
+                assert_eq!(
+                    m.body().as_device().unwrap().to_host().unwrap(),
+                    bytes,
+                    "{refusing}"
+                );
+            }
+            let n = a.info().device_bodies();
+            let want = if refusing == "sender" { (0, 2) } else { (2, 0) };
+            assert_eq!((n.gpudirect, n.staged), want, "{refusing}: {n:?}");
+            assert_eq!(sb.stats().dmabufs, 0, "{refusing}");
+        }
     }
 
     /// `rdma_gpudirect(false)`: staged through host memory, and counted so.

@@ -161,8 +161,8 @@ impl ChannelInfo {
     /// (`inproc://`: the receiver gets the sender's device memory itself), `"cuda-ipc"`
     /// (`shm://` to a receiver that lands bodies on a device: it maps the sender's memory,
     /// which stays allocated until the receiver drops the body), `"gpudirect"` (`rdma://`:
-    /// the NIC reads the body from device memory, registered as a dma-buf; the receiver
-    /// lands it as it would a staged body), or `"staged"` (copied to
+    /// the NIC reads the body from device memory, registered as a dma-buf, into the
+    /// receiver's device memory where it lands there, into host memory otherwise), or `"staged"` (copied to
     /// host buffers in chunks, each chunk sent while the next is copied). Before the first,
     /// the usual path of the transport: `"in-process"` on `inproc://`, `"staged"` elsewhere.
     /// See [`crate::device`].

@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | `inproc://` | `"in-process"` | the `DeviceBody` itself: the receiver gets the same memory |
 //! | `shm://`, to a receiver that lands bodies on a device | `"cuda-ipc"` | a handle: the receiver maps the sender's memory (`cuIpcOpenMemHandle`), which stays allocated until the receiver drops the body |
-//! | `rdma://` (feature `rdma`) | `"gpudirect"` | the NIC reads the body from device memory, registered as a dma-buf (`ibv_reg_dmabuf_mr`) for exactly its bytes until the peer's `FIN`; the receiver reads it into host memory and lands it as a staged body |
+//! | `rdma://` (feature `rdma`) | `"gpudirect"` | the peer's NIC reads the body from device memory, registered as a dma-buf (`ibv_reg_dmabuf_mr`) for exactly its bytes until the peer's `FIN`; a receiver that lands on a device has it read straight into device memory of its own (also a dma-buf), one that does not into host memory |
 //! | `tcp://`, `tls://`, sessions; `shm://` and `rdma://` otherwise | `"staged"` | the body is copied to pinned host buffers in chunks, each chunk sent while the next is copied |
 //!
 //! A staged body is announced by a frame with [`Flags::DEVICE`](crate::Flags::DEVICE) and sent
@@ -35,9 +35,9 @@
 //! On `rdma://`, a body is staged instead — said once per channel in the log — when the
 //! device does not export dma-bufs (CUDA before 11.7, or a GPU without the attribute), the
 //! NIC's driver does not take them, the backend is async-rdma, or
-//! [`ContextBuilder::rdma_gpudirect(false)`](crate::ContextBuilder::rdma_gpudirect). Not
-//! here yet: the receiving side of GPUDirect (the peer's NIC writing into the receiver's
-//! device memory); a body read from a sender's GPU lands in host memory first.
+//! [`ContextBuilder::rdma_gpudirect(false)`](crate::ContextBuilder::rdma_gpudirect). On the
+//! receiving side, where device memory cannot be registered, the body is read into host
+//! memory and copied to the device (said once per channel).
 //!
 //! # Without a GPU
 //! libcuda is loaded when first needed: a program built with the feature starts and runs on a

@@ -36,8 +36,6 @@ use super::proto::{self, Connection, Params, ProtoError, ReadRequest};
 use super::verbs::{Access, Region, RemoteRegion, Source, Verbs, VerbsError};
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::Limits;
-#[cfg(feature = "cuda")]
-use crate::message::{Body, Header, Meta};
 use crate::message::{Flags, Message};
 use crate::transport::heartbeat::{self, Silence};
 use crate::transport::{RecvHalf, SendHalf};
@@ -170,6 +168,9 @@ struct St {
     /// `Sender` registers each as it takes it (`takes_device`), the driver lends it.
     #[cfg(feature = "cuda")]
     device_lent: VecDeque<(Box<dyn std::any::Any + Send + Sync>, RemoteRegion)>,
+    /// Where the Receiver lands bodies from device memory (host memory when `None`).
+    #[cfg(feature = "cuda")]
+    landing: Option<crate::device::Gpu>,
 }
 
 impl St {
@@ -193,6 +194,22 @@ enum Done<M> {
 }
 
 type OpFuture<M> = Pin<Box<dyn Future<Output = Done<M>> + Send>>;
+
+/// Where a body being read lands.
+enum Target<V: Verbs> {
+    /// A buffer of the receive pool; `upload`: a body from the peer's device memory, for a
+    /// Receiver that lands on this device, read into host memory because device memory could
+    /// not be registered.
+    Lease {
+        lease: Lease<V>,
+        #[cfg(feature = "cuda")]
+        upload: Option<crate::device::Gpu>,
+    },
+    /// Device memory of ours, registered as a dma-buf (GPUDirect RDMA into the device); the
+    /// registration (the read's buffer) is dropped when the read completes.
+    #[cfg(feature = "cuda")]
+    Device(crate::device::DeviceBody),
+}
 
 /// A body of ours the peer may read, registered on its own until its `FIN`.
 enum Held<V: Verbs> {
@@ -234,7 +251,11 @@ pub(crate) struct Driver<V: Verbs> {
     /// of the GPU's staging pool.
     staging: bool,
     reads_waiting: VecDeque<ReadRequest>,
-    reading: HashMap<u64, Lease<V>>,
+    reading: HashMap<u64, Target<V>>,
+    /// Bodies from the peer's device memory are read into device memory of ours where the
+    /// Receiver lands there (off after the first refusal).
+    #[cfg(feature = "cuda")]
+    dmabuf_rx: bool,
     /// Body bytes being fetched (announced, not yet read).
     rx_pending: usize,
     /// Body bytes of the reads posted and not yet completed.
@@ -341,6 +362,8 @@ impl<V: Verbs> Driver<V> {
             staging: false,
             reads_waiting: VecDeque::new(),
             reading: HashMap::new(),
+            #[cfg(feature = "cuda")]
+            dmabuf_rx: cfg.gpudirect,
             rx_pending: 0,
             reading_bytes: 0,
             _beat_src: beat_src,
@@ -357,6 +380,27 @@ impl<V: Verbs> Driver<V> {
             verbs,
         };
         Ok((d, sh))
+    }
+
+    /// Device memory of `len` bytes on `gpu`, registered as the target of a read.
+    #[cfg(feature = "cuda")]
+    fn device_target(
+        &self,
+        gpu: &crate::device::Gpu,
+        len: usize,
+    ) -> Result<(crate::device::DeviceBody, V::Mr)> {
+        let body = gpu.alloc(len)?;
+        let buf = body.gpu().backend().dmabuf(body.mem())?;
+        let mr = self
+            .verbs
+            .register_dmabuf(Source::DmaBuf {
+                fd: buf.fd,
+                offset: buf.offset,
+                len: buf.len,
+                keep: Box::new(body.clone()),
+            })
+            .map_err(|e| verbs_error(e, &self.sh.peer))?;
+        Ok((body, mr))
     }
 
     /// `bytes` copied to memory of their own, registered for the peer to read.
@@ -432,14 +476,48 @@ impl<V: Verbs> Driver<V> {
                 Done::Read(rid, r) => {
                     self.inflight -= 1;
                     let mr = r.map_err(|e| verbs_error(e, &peer))?;
-                    let Some(mut lease) = self.reading.remove(&rid) else {
+                    let Some(target) = self.reading.remove(&rid) else {
                         continue;
                     };
-                    lease.put_mr(mr);
-                    self.rx_pending = self.rx_pending.saturating_sub(lease.len());
-                    self.reading_bytes = self.reading_bytes.saturating_sub(lease.len());
+                    let body: crate::message::Body = match target {
+                        Target::Lease {
+                            mut lease,
+                            #[cfg(feature = "cuda")]
+                            upload,
+                        } => {
+                            lease.put_mr(mr);
+                            self.rx_pending = self.rx_pending.saturating_sub(lease.len());
+                            self.reading_bytes = self.reading_bytes.saturating_sub(lease.len());
+                            let bytes = Bytes::from_owner(lease);
+                            #[cfg(feature = "cuda")]
+                            if let Some(gpu) = upload {
+                                // A copy to the device in this task: the rare way, where
+                                // device memory cannot be registered.
+                                gpu.upload(&bytes)
+                                    .map_err(|e| {
+                                        Error::new(
+                                            e.kind(),
+                                            format!("landing a body from {peer} on {gpu:?}: {e:#}"),
+                                        )
+                                    })?
+                                    .into()
+                            } else {
+                                bytes.into()
+                            }
+                            #[cfg(not(feature = "cuda"))]
+                            bytes.into()
+                        }
+                        #[cfg(feature = "cuda")]
+                        Target::Device(body) => {
+                            // The NIC is done writing: the registration goes first.
+                            drop(mr);
+                            self.rx_pending = self.rx_pending.saturating_sub(body.len());
+                            self.reading_bytes = self.reading_bytes.saturating_sub(body.len());
+                            body.into()
+                        }
+                    };
                     self.conn
-                        .handle_read_done(rid, Bytes::from_owner(lease))
+                        .handle_read_done(rid, body)
                         .map_err(|e| proto_error(e, &peer))?;
                 }
                 Done::Keepalive(r) => {
@@ -588,6 +666,39 @@ impl<V: Verbs> Driver<V> {
             {
                 break;
             }
+            #[cfg(feature = "cuda")]
+            let landing = if r.device {
+                lock(&self.sh.st).landing.clone()
+            } else {
+                None
+            };
+            #[cfg(feature = "cuda")]
+            if let Some(gpu) = &landing
+                && self.dmabuf_rx
+            {
+                match self.device_target(gpu, r.body.len as usize) {
+                    Ok((body, mr)) => {
+                        self.reads_waiting.pop_front();
+                        self.reading_bytes += r.body.len as usize;
+                        self.reading.insert(r.rid, Target::Device(body));
+                        self.inflight += 1;
+                        let rid = r.rid;
+                        let fut = self.verbs.post_read(mr, r.body);
+                        self.ops
+                            .push(Box::pin(async move { Done::Read(rid, fut.await) }));
+                        progress = true;
+                        continue;
+                    }
+                    Err(e) => {
+                        self.dmabuf_rx = false;
+                        tracing::info!(
+                            peer = %peer,
+                            "rdma: bodies from the peer's device memory are read into host \
+                             memory, then copied to the device: {e:#}"
+                        );
+                    }
+                }
+            }
             let lease = match self.rx_pool.try_alloc(r.body.len as usize) {
                 Ok(Some(l)) => l,
                 Ok(None) => {
@@ -606,7 +717,14 @@ impl<V: Verbs> Driver<V> {
             self.reading_bytes += r.body.len as usize;
             let mut lease = lease;
             let mr = lease.take_mr().expect("fresh lease");
-            self.reading.insert(r.rid, lease);
+            self.reading.insert(
+                r.rid,
+                Target::Lease {
+                    lease,
+                    #[cfg(feature = "cuda")]
+                    upload: landing,
+                },
+            );
             self.inflight += 1;
             let rid = r.rid;
             let fut = self.verbs.post_read(mr, r.body);
@@ -935,24 +1053,11 @@ impl<V: Verbs> SendHalf for RdmaSender<V> {
                 )
                 .with_message(msg));
             };
-            // The channel's wire form of a body from device memory (`channel::device`): an
-            // announcement of its length, then the body as one piece, which the peer reads
-            // straight from our device memory.
-            let (kind, meta, body, header) = msg.into_parts();
-            let announce = Message::from_parts(
-                kind.clone(),
-                meta,
-                Body::from((body.len() as u64).to_le_bytes().to_vec()),
-                Header {
-                    flags: header.flags.union(Flags::DEVICE).union(Flags::MORE),
-                    ..header
-                },
-            );
-            let piece = Message::from_parts(kind, Meta::new(), body, Header::default());
-            st.outq.push_back(announce);
-            st.outq.push_back(piece);
+            // One rendezvous; its RTS says the body is in device memory, so the peer may read
+            // it into device memory of its own.
+            st.outq.push_back(msg);
             st.device_lent.push_back(reg);
-            st.backlog += 2;
+            st.backlog += 1;
             drop(st);
             self.sh.wake_driver();
             return Ok(());
@@ -1070,6 +1175,11 @@ impl RdmaReceiver {
 }
 
 impl RecvHalf for RdmaReceiver {
+    #[cfg(feature = "cuda")]
+    fn land_on(&mut self, gpu: Option<&crate::device::Gpu>) {
+        lock(&self.sh.st).landing = gpu.cloned();
+    }
+
     fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Message>>> {
         if self.done {
             return Poll::Ready(None);

@@ -40,15 +40,18 @@
 //!         72-byte HELLO)
 //! EAGER   24  8 correlation          32 8 body_len, then type, meta, body (all in this message)
 //! RTS     24  8 correlation          32 8 body_len      40 8 rendezvous id
-//!         48  8 body addr            56 4 body rkey     60 4 reserved, then type, meta
+//!         48  8 body addr            56 4 body rkey     60 1 body memory (0 host, 1 device)
+//!         61  3 reserved, then type, meta
 //! FIN     24  8 rendezvous id
 //! CREDIT, CLOSE, STOP: the header alone.
 //! ```
 //!
 //! * `EAGER` carries a whole message; used when header, type, meta and body fit a slot.
 //! * `RTS` (ready to send) announces a body the receiver fetches with an RDMA read of
-//!   `body_len` bytes at `addr`/`rkey`: the receiver learns type, meta and length first,
-//!   checks them against its limits, chooses where the body lands (a buffer of its pool),
+//!   `body_len` bytes at `addr`/`rkey`: the receiver learns type, meta, length and memory
+//!   first, checks them against its limits, chooses where the body lands (a buffer of its
+//!   pool, or, for a body in the sender's device memory, device memory of its own where it
+//!   lands bodies on a device: GPUDirect RDMA both ways),
 //!   reads, then answers `FIN` with the id, on which the sender deregisters the body (its
 //!   `rkey` covers that body alone and dies with the `FIN`). Ids are unique among the
 //!   sender's outstanding rendezvous.
@@ -309,6 +312,8 @@ pub enum Decoded<'a> {
         rid: u64,
         /// Where the body is.
         body: RemoteRegion,
+        /// The body is in the sender's device memory.
+        device: bool,
     },
     /// `FIN`.
     Fin(u64),
@@ -453,6 +458,11 @@ pub fn decode<'a>(b: &'a [u8], limits: &Limits) -> Result<(Head, Decoded<'a>), P
                 if b.len() != head_end {
                     return Err(ProtoError::Malformed("RTS length"));
                 }
+                let device = match b[60] {
+                    0 => false,
+                    1 => true,
+                    _ => return Err(ProtoError::Malformed("RTS body memory")),
+                };
                 Decoded::Rts {
                     flags,
                     correlation,
@@ -464,6 +474,7 @@ pub fn decode<'a>(b: &'a [u8], limits: &Limits) -> Result<(Head, Decoded<'a>), P
                         len: body_len,
                         rkey: u32_at(b, 56),
                     },
+                    device,
                 }
             }
         }
@@ -591,6 +602,8 @@ pub struct ReadRequest {
     pub rid: u64,
     /// Where the body is at the peer.
     pub body: RemoteRegion,
+    /// The body is in the peer's device memory (it may land in device memory here).
+    pub device: bool,
 }
 
 /// The state of one connection (both directions), sans-IO.
@@ -904,6 +917,7 @@ impl Connection {
                 meta,
                 rid,
                 body,
+                device,
             } => {
                 let (kind, meta) = self.head(kind, meta)?;
                 if !self.rndv_in.insert(rid) {
@@ -924,7 +938,7 @@ impl Connection {
                     self.inbox.push_back(In::Ready(msg));
                 } else {
                     self.inbox.push_back(In::Reading(rid, Some(msg)));
-                    self.reads.push_back(ReadRequest { rid, body });
+                    self.reads.push_back(ReadRequest { rid, body, device });
                 }
             }
             Decoded::Fin(rid) => {
@@ -961,9 +975,10 @@ impl Connection {
         self.reads.pop_front()
     }
 
-    /// A body fetched: `body` is the message's body (in the driver's buffer), delivered in
-    /// order; the `FIN` that frees the peer's buffer is queued.
-    pub fn handle_read_done(&mut self, rid: u64, body: Bytes) -> Result<(), ProtoError> {
+    /// A body fetched: `body` is the message's body (in the driver's buffer, or device
+    /// memory), delivered in order; the `FIN` that frees the peer's buffer is queued.
+    pub fn handle_read_done(&mut self, rid: u64, body: impl Into<Body>) -> Result<(), ProtoError> {
+        let body = body.into();
         if !self.rndv_in.remove(&rid) {
             return Err(ProtoError::UnknownRendezvous(rid));
         }
@@ -1072,7 +1087,8 @@ impl Connection {
                     out[40..48].copy_from_slice(&rid.to_le_bytes());
                     out[48..56].copy_from_slice(&body.addr.to_le_bytes());
                     out[56..60].copy_from_slice(&body.rkey.to_le_bytes());
-                    out[60..64].fill(0);
+                    out[60] = u8::from(msg.body().location() != crate::message::Location::Host);
+                    out[61..64].fill(0);
                     let mut at = RTS_FIXED;
                     for part in [kind.as_bytes(), meta] {
                         out[at..at + part.len()].copy_from_slice(part);
@@ -1270,7 +1286,14 @@ mod tests {
         a.send_eager(Message::new("small.after").unwrap());
         pump(&mut a, &mut b);
         let req = b.poll_read().unwrap();
-        assert_eq!(req, ReadRequest { rid, body: region });
+        assert_eq!(
+            req,
+            ReadRequest {
+                rid,
+                body: region,
+                device: false
+            }
+        );
         assert!(
             b.poll_message().is_none(),
             "the small one waits behind the big one"
@@ -1282,6 +1305,37 @@ mod tests {
         pump(&mut b, &mut a);
         assert_eq!(a.poll_release(), Some(rid));
         assert_eq!(a.outstanding(), 0);
+    }
+
+    /// Byte 60 of an `RTS` says where the body is: the receiver learns it with the read it
+    /// is asked for; any other value is malformed.
+    #[test]
+    fn rendezvous_says_where_the_body_is() {
+        let region = RemoteRegion {
+            addr: 0x2000,
+            len: 50_000,
+            rkey: 3,
+        };
+        for (memory, want) in [(0u8, Some(false)), (1, Some(true)), (2, None)] {
+            let (mut a, mut b) = (Connection::new(params(4)), Connection::new(params(4)));
+            pump(&mut a, &mut b);
+            pump(&mut b, &mut a);
+            a.send_rendezvous(Message::new("dev.body").unwrap(), region);
+            let mut buf = vec![0u8; 8192];
+            let n = a.poll_transmit(&mut buf).unwrap();
+            assert_eq!(buf[60], 0, "a host body");
+            buf[60] = memory;
+            match want {
+                Some(device) => {
+                    b.handle_recv(&buf[..n]).unwrap();
+                    assert_eq!(b.poll_read().unwrap().device, device);
+                }
+                None => assert!(matches!(
+                    b.handle_recv(&buf[..n]),
+                    Err(ProtoError::Malformed("RTS body memory"))
+                )),
+            }
+        }
     }
 
     #[test]

@@ -83,32 +83,68 @@ fn verbs_failed(op: VerbOp, e: impl std::fmt::Display) -> VerbsError {
     VerbsError::new(op, WcStatus::Other).with_detail(e.to_string())
 }
 
-/// Memory allocated here and registered with the device. Fields drop in order: the
-/// registration goes before the memory it covers.
+/// Memory registered with the device: allocated here, or (GPUDirect RDMA, the target of
+/// reads) device memory registered as a dma-buf, which has no CPU view. Fields drop in
+/// order: the registration goes before the memory it covers.
 pub(crate) struct SwMr {
     mr: Arc<MemoryRegion>,
-    mem: Box<[u8]>,
+    mem: Option<Box<[u8]>>,
+    /// The address the work requests name (the iova of a dma-buf).
+    addr: u64,
+    len: usize,
+    _device: Option<Source>,
 }
 
 impl Region for SwMr {
     fn len(&self) -> usize {
-        self.mem.len()
+        self.len
     }
 
     fn as_slice(&self) -> &[u8] {
-        &self.mem
+        self.mem.as_deref().unwrap_or(&[])
     }
 
     fn as_mut_slice(&mut self) -> &mut [u8] {
-        &mut self.mem
+        self.mem.as_deref_mut().unwrap_or(&mut [])
     }
 
     fn remote(&self, offset: usize, len: usize) -> RemoteRegion {
         RemoteRegion {
-            addr: self.mem.as_ptr() as u64 + offset as u64,
+            addr: self.addr + offset as u64,
             len: len as u64,
             rkey: self.mr.rkey(),
         }
+    }
+}
+
+impl SwVerbs {
+    /// Registers `len` bytes at `offset` of the dma-buf `fd` with `access`; the peer and
+    /// the work requests address them by their offset (the iova keeps the offset's place in
+    /// its page, as the NIC's translation wants).
+    ///
+    /// # Safety
+    /// `fd` is a dma-buf whose memory stays valid, `offset..offset + len` within it, until
+    /// the returned registration is dropped.
+    #[cfg(feature = "cuda")]
+    unsafe fn reg_dmabuf(
+        &self,
+        fd: &std::os::fd::OwnedFd,
+        offset: u64,
+        len: usize,
+        access: AccessFlags,
+    ) -> std::result::Result<Arc<MemoryRegion>, VerbsError> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: as the caller promises.
+        unsafe {
+            self.pd
+                .reg_dmabuf_mr(offset, len, offset, fd.as_raw_fd(), access)
+        }
+        .map_err(|e| {
+            VerbsError::new(VerbOp::Register, WcStatus::NoMemory).with_detail(format!(
+                "{e:#} (GPUDirect RDMA needs an RDMA driver that takes dma-bufs, Linux \
+                     5.12+ and rdma-core 34+, and a GPU driver that exports them; run `hf doctor`)"
+            ))
+        })
     }
 }
 
@@ -372,7 +408,7 @@ impl SwVerbs {
         remote: Option<RemoteRegion>,
     ) -> oneshot::Receiver<Answer> {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let (lkey, addr) = (buf.mr.lkey(), buf.mem.as_ptr() as u64);
+        let (lkey, addr) = (buf.mr.lkey(), buf.addr);
         let len = len.min(buf.len()) as u32;
         let (tx, rx) = oneshot::channel();
         lock(&self.inflight).insert(id, Inflight { buf, op, tx });
@@ -528,7 +564,13 @@ impl Verbs for SwVerbs {
                 ))
             },
         )?;
-        Ok(SwMr { mr, mem })
+        Ok(SwMr {
+            mr,
+            addr: mem.as_ptr() as u64,
+            len: mem.len(),
+            mem: Some(mem),
+            _device: None,
+        })
     }
 
     fn expose(&self, src: Source) -> std::result::Result<(SwExposed, RemoteRegion), VerbsError> {
@@ -557,28 +599,9 @@ impl Verbs for SwVerbs {
             Source::DmaBuf {
                 fd, offset, len, ..
             } => {
-                use std::os::fd::AsRawFd;
-                // The peer addresses the body by its offset in the dma-buf (the iova keeps
-                // the offset's place in its page, as the NIC's translation wants).
-                // SAFETY: `fd` is a dma-buf of device memory that `src` keeps alive (and the
-                // descriptor open) until the returned `SwExposed` drops, registration first;
-                // `offset..offset + len` lies in it (the exporter's range); remote read only.
-                let mr = unsafe {
-                    self.pd.reg_dmabuf_mr(
-                        *offset,
-                        *len,
-                        *offset,
-                        fd.as_raw_fd(),
-                        AccessFlags::RemoteRead,
-                    )
-                }
-                .map_err(|e| {
-                    refused(
-                        &e,
-                        "GPUDirect RDMA needs an RDMA driver that takes dma-bufs (Linux 5.12+, \
-                         rdma-core 34+) and a GPU driver that exports them; run `hf doctor`",
-                    )
-                })?;
+                // SAFETY: `src` keeps the dma-buf's memory alive and its descriptor open
+                // until the returned `SwExposed` drops, registration first.
+                let mr = unsafe { self.reg_dmabuf(fd, *offset, *len, AccessFlags::RemoteRead) }?;
                 (mr, *offset, *len)
             }
         };
@@ -588,6 +611,31 @@ impl Verbs for SwVerbs {
             rkey: mr.rkey(),
         };
         Ok((SwExposed { _mr: mr, _mem: src }, region))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn register_dmabuf(&self, src: Source) -> std::result::Result<SwMr, VerbsError> {
+        let Source::DmaBuf {
+            ref fd,
+            offset,
+            len,
+            ..
+        } = src
+        else {
+            return Err(VerbsError::new(VerbOp::Register, WcStatus::Other)
+                .with_detail("register_dmabuf takes a dma-buf"));
+        };
+        // SAFETY: `src` keeps the dma-buf's memory alive and its descriptor open until the
+        // returned `SwMr` drops, registration first; reads into it are posted only by the
+        // driver, which owns the buffer while they run.
+        let mr = unsafe { self.reg_dmabuf(fd, offset, len, AccessFlags::LocalWrite) }?;
+        Ok(SwMr {
+            mr,
+            mem: None,
+            addr: offset,
+            len,
+            _device: Some(src),
+        })
     }
 
     fn post_recv(&self, buf: SwMr) -> Completion<(SwMr, usize)> {

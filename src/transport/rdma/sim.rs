@@ -70,6 +70,10 @@ pub struct Faults {
     pub fail: Option<(VerbOp, u64, WcStatus)>,
     /// Seed of the delay generator.
     pub seed: u64,
+    /// This side's (simulated) NIC driver takes no dma-bufs: registering device memory
+    /// (GPUDirect RDMA) fails, as on a kernel before 5.12 or without the GPU driver's
+    /// support.
+    pub no_dmabuf: bool,
 }
 
 /// Counters of one side.
@@ -97,14 +101,17 @@ pub struct SimStats {
     pub exposures: u64,
     /// Bytes lent through [`Verbs::expose`] and registered now.
     pub exposed: u64,
+    /// dma-buf registrations (device memory: lent, or as the target of reads).
+    pub dmabufs: u64,
 }
 
 // ---------------------------------------------------------------------------------------
 // Memory
 // ---------------------------------------------------------------------------------------
 
-/// A block of "pinned" memory: allocated here, or someone else's lent by
-/// [`Verbs::expose`] (then `owner` keeps it alive, and it is never written).
+/// A block of "pinned" memory: allocated here, or someone else's (then `owner` keeps it
+/// alive): lent by [`Verbs::expose`] (never written), or device memory registered as the
+/// target of reads (written only by the read that owns the buffer).
 struct SimMem {
     ptr: NonNull<u8>,
     len: usize,
@@ -594,37 +601,45 @@ impl SimVerbs {
     }
 }
 
-/// A dma-buf's bytes, as the NIC would reach them: the file mapped read-only (the stand-in
-/// device exports a memfd; a GPU's dma-buf is not for the CPU to map, so the simulation
-/// refuses one it cannot map).
-#[cfg(feature = "cuda")]
-fn dmabuf(
-    fd: std::os::fd::OwnedFd,
-    offset: u64,
-    len: usize,
-    keep: Box<dyn std::any::Any + Send + Sync>,
-) -> Result<SimMem, VerbsError> {
-    let refused =
-        |why: String| Err(VerbsError::new(VerbOp::Register, WcStatus::Other).with_detail(why));
-    #[cfg(feature = "shm")]
-    {
-        let Some(end) = offset.checked_add(len as u64) else {
-            return refused(format!("a dma-buf range of {len} bytes at {offset}"));
-        };
-        let map = match crate::transport::shm::Mapping::new(&fd, end, false) {
-            Ok(m) => m,
-            Err(e) => return refused(format!("mapping the dma-buf: {e}")),
-        };
-        let ptr = map.base().wrapping_add(offset as usize);
-        // The mapping, then what holds the memory, go when the region does.
-        Ok(SimMem::lent(ptr, len, Box::new((map, fd, keep))))
-    }
-    #[cfg(not(feature = "shm"))]
-    {
-        let _ = (fd, offset, keep);
-        refused(format!(
-            "the simulation maps dma-bufs with `shm`'s mapping ({len} bytes)"
-        ))
+impl SimVerbs {
+    /// A dma-buf's bytes, as the NIC would reach them: the file mapped (writable when it is
+    /// the target of reads). The stand-in device exports a memfd; a GPU's dma-buf is not for
+    /// the CPU to map, so the simulation refuses one it cannot map.
+    #[cfg(feature = "cuda")]
+    fn dmabuf(
+        &self,
+        fd: std::os::fd::OwnedFd,
+        offset: u64,
+        len: usize,
+        keep: Box<dyn std::any::Any + Send + Sync>,
+        write: bool,
+    ) -> Result<SimMem, VerbsError> {
+        let refused =
+            |why: String| Err(VerbsError::new(VerbOp::Register, WcStatus::Other).with_detail(why));
+        if lock(&self.me.faults).no_dmabuf {
+            return refused("the (simulated) NIC's driver takes no dma-bufs".into());
+        }
+        self.count(|s| s.dmabufs += 1);
+        #[cfg(feature = "shm")]
+        {
+            let Some(end) = offset.checked_add(len as u64) else {
+                return refused(format!("a dma-buf range of {len} bytes at {offset}"));
+            };
+            let map = match crate::transport::shm::Mapping::new(&fd, end, write) {
+                Ok(m) => m,
+                Err(e) => return refused(format!("mapping the dma-buf: {e}")),
+            };
+            let ptr = map.base().wrapping_add(offset as usize);
+            // The mapping, then what holds the memory, go when the region does.
+            Ok(SimMem::lent(ptr, len, Box::new((map, fd, keep))))
+        }
+        #[cfg(not(feature = "shm"))]
+        {
+            let _ = (fd, offset, keep, write);
+            refused(format!(
+                "the simulation maps dma-bufs with `shm`'s mapping ({len} bytes)"
+            ))
+        }
     }
 }
 
@@ -719,7 +734,7 @@ impl Verbs for SimVerbs {
                 offset,
                 len,
                 keep,
-            } => dmabuf(fd, offset, len, keep)?,
+            } => self.dmabuf(fd, offset, len, keep, false)?,
         });
         let reg = self.reg(&mem, Access::REMOTE_READ)?;
         let region = RemoteRegion {
@@ -739,6 +754,23 @@ impl Verbs for SimVerbs {
             log.push_back(region);
         }
         Ok((SimExposed { reg, mem }, region))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn register_dmabuf(&self, src: Source) -> Result<SimMr, VerbsError> {
+        let Source::DmaBuf {
+            fd,
+            offset,
+            len,
+            keep,
+        } = src
+        else {
+            return Err(VerbsError::new(VerbOp::Register, WcStatus::Other)
+                .with_detail("register_dmabuf takes a dma-buf"));
+        };
+        let mem = Arc::new(self.dmabuf(fd, offset, len, keep, true)?);
+        let reg = self.reg(&mem, Access::LOCAL)?;
+        Ok(SimMr { reg, mem })
     }
 
     fn post_recv(&self, buf: SimMr) -> Completion<(SimMr, usize)> {

@@ -281,6 +281,18 @@ pub trait Verbs: Send + Sync + 'static {
     /// value deregisters it (the key is dead from then on) and lets go of the memory.
     fn expose(&self, src: Source) -> Result<(Self::Exposed, RemoteRegion), VerbsError>;
 
+    /// Registers `src` (a [`Source::DmaBuf`]: device memory of ours) as a local buffer that
+    /// reads land in: the peer's NIC writes device memory directly (GPUDirect RDMA on the
+    /// receiving side). The returned buffer has no CPU view (`as_slice` may be empty) and
+    /// keeps `src` until it drops. Backends without dma-buf registration refuse (the
+    /// default).
+    #[cfg(feature = "cuda")]
+    fn register_dmabuf(&self, src: Source) -> Result<Self::Mr, VerbsError> {
+        let _ = src;
+        Err(VerbsError::new(VerbOp::Register, WcStatus::Other)
+            .with_detail(format!("{} cannot register dma-buf memory", self.name())))
+    }
+
     /// Posts a receive into `buf`; completes with the buffer and the received length.
     fn post_recv(&self, buf: Self::Mr) -> Completion<(Self::Mr, usize)>;
 
