@@ -669,9 +669,10 @@ mod rdma {
         }
     }
 
-    /// Small (below the eager size) and large bodies alike are read from device memory
-    /// into device memory: each registered once on each side, for exactly its bytes (the
-    /// sender's released at its FIN), no host buffer between.
+    /// Small (below the eager size) and large bodies alike are read from device memory,
+    /// each registered once, for exactly its bytes, released at its FIN; from 1 MiB they are
+    /// read straight into device memory of the receiver's (smaller ones into host memory,
+    /// then copied: device memory comes in whole blocks).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn rdma_reads_device_bodies_where_they_lie() {
         let (ours, theirs) = (Gpu::stand_in(), Gpu::stand_in());
@@ -695,8 +696,11 @@ mod rdma {
         assert_eq!(st.exposures, 3, "one registration per body: {st:?}");
         assert_eq!(st.dmabufs, 3, "lent from device memory: {st:?}");
         let rb = sb.stats();
-        assert_eq!(rb.dmabufs, 3, "read into device memory: {rb:?}");
-        assert_eq!(rb.reads, 3, "each read straight into its target: {rb:?}");
+        assert_eq!(
+            rb.dmabufs, 1,
+            "the 5 MiB body read into device memory: {rb:?}"
+        );
+        assert_eq!(rb.reads, 3, "{rb:?}");
         let regions = sa.exposed_regions();
         let lent: Vec<u64> = regions.iter().map(|r| r.len).collect();
         assert_eq!(lent, lens.map(|l| l as u64), "each covers its body alone");
@@ -817,6 +821,38 @@ mod rdma {
             assert_eq!((n.gpudirect, n.staged), want, "{refusing}: {n:?}");
             assert_eq!(sb.stats().dmabufs, 0, "{refusing}");
         }
+    }
+
+    /// Where bodies land is the Receiver's choice when it takes them, also for bodies read
+    /// ahead into device memory; a context's landing reaches rdma:// channels too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn rdma_landing_follows_the_receiver() {
+        let (ours, theirs) = (Gpu::stand_in(), Gpu::stand_in());
+        let ctx = Context::builder().land_on(theirs.clone()).build().unwrap();
+        let (mut a, mut b) = pair(&ctx, "rdma+sim").await;
+        let bytes = pattern(3 << 20, 8);
+        for _ in 0..2 {
+            a.send(
+                Message::new("g")
+                    .unwrap()
+                    .with_body(ours.upload(&bytes).unwrap()),
+            )
+            .await
+            .unwrap();
+        }
+        let m = timeout(GUARD, b.recv()).await.unwrap().unwrap().unwrap();
+        assert_eq!(
+            m.body().location(),
+            Location::StandIn,
+            "the context's landing"
+        );
+        assert_eq!(m.body().as_device().unwrap().to_host().unwrap(), bytes);
+        // The second was read ahead (into device memory); the Receiver now wants host memory.
+        settle("the second body is read", || theirs.live_blocks() >= 2).await;
+        b.halves_mut().1.land_on(None);
+        let m = timeout(GUARD, b.recv()).await.unwrap().unwrap().unwrap();
+        assert_eq!(m.body().location(), Location::Host);
+        assert_eq!(m.body().as_bytes().unwrap(), &bytes[..]);
     }
 
     /// `rdma_gpudirect(false)`: staged through host memory, and counted so.

@@ -304,7 +304,7 @@ impl Backend for Cuda {
     /// dma-buf export (before 11.7, or the GPU's `DMA_BUF_SUPPORTED` attribute 0) are
     /// `Unavailable`, checked before the call, and the body is staged.
     #[cfg(feature = "rdma")]
-    fn dmabuf(&self, mem: &Arc<dyn Mem>) -> Result<super::DmaBuf> {
+    fn dmabuf(&self, mem: &Arc<dyn Mem>, sync: bool) -> Result<super::DmaBuf> {
         use std::os::fd::FromRawFd;
         // cudarc resolves a symbol when first called and panics when the driver lacks it:
         // check the driver's version (dma-buf export is 11.7's) and the device first.
@@ -359,15 +359,34 @@ impl Backend for Cuda {
         }
         // SAFETY: a descriptor the driver just opened for us, owned from here on.
         let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
-        // Queued writes to the body are done before the NIC reads it.
-        stream
-            .synchronize()
-            .map_err(|e| failed("waiting for writes to a body", e))?;
+        if sync {
+            // Queued writes to the body are done before the NIC reads it.
+            stream
+                .synchronize()
+                .map_err(|e| failed("waiting for writes to a body", e))?;
+        }
         Ok(super::DmaBuf {
             fd,
             offset: ptr - base,
             len: slice.len(),
         })
+    }
+
+    /// `cuFlushGPUDirectRDMAWrites` (CUDA 11.3+; `dmabuf` checked 11.7 for this memory):
+    /// where the GPU does not order a NIC's writes before later work, this does.
+    #[cfg(feature = "rdma")]
+    fn written_by_nic(&self, mem: &Arc<dyn Mem>) -> Result<()> {
+        let m = mine(&**mem)?;
+        bind(m.slice().stream())?;
+        // SAFETY: plain enums; the context of the memory is bound to this thread.
+        unsafe {
+            sys::cuFlushGPUDirectRDMAWrites(
+                sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+                sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER,
+            )
+        }
+        .result()
+        .map_err(|e| failed("making a NIC's writes visible to the device", e))
     }
 
     #[cfg(feature = "shm")]

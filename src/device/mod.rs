@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | `inproc://` | `"in-process"` | the `DeviceBody` itself: the receiver gets the same memory |
 //! | `shm://`, to a receiver that lands bodies on a device | `"cuda-ipc"` | a handle: the receiver maps the sender's memory (`cuIpcOpenMemHandle`), which stays allocated until the receiver drops the body |
-//! | `rdma://` (feature `rdma`) | `"gpudirect"` | the peer's NIC reads the body from device memory, registered as a dma-buf (`ibv_reg_dmabuf_mr`) for exactly its bytes until the peer's `FIN`; a receiver that lands on a device has it read straight into device memory of its own (also a dma-buf), one that does not into host memory |
+//! | `rdma://` (feature `rdma`) | `"gpudirect"` | the peer's NIC reads the body from device memory, registered as a dma-buf (`ibv_reg_dmabuf_mr`) for exactly its bytes until the peer's `FIN`; a receiver that lands on a device has a body of 1 MiB or more read straight into device memory of its own (also a dma-buf; smaller ones into host memory, copied to the device when taken: device memory comes in 2 MiB blocks), one that does not into host memory |
 //! | `tcp://`, `tls://`, sessions; `shm://` and `rdma://` otherwise | `"staged"` | the body is copied to pinned host buffers in chunks, each chunk sent while the next is copied |
 //!
 //! A staged body is announced by a frame with [`Flags::DEVICE`](crate::Flags::DEVICE) and sent
@@ -37,7 +37,9 @@
 //! NIC's driver does not take them, the backend is async-rdma, or
 //! [`ContextBuilder::rdma_gpudirect(false)`](crate::ContextBuilder::rdma_gpudirect). On the
 //! receiving side, where device memory cannot be registered, the body is read into host
-//! memory and copied to the device (said once per channel).
+//! memory and copied to the device when the Receiver takes it (said once per channel); a
+//! body read ahead into device memory goes to host memory if the Receiver has switched
+//! there when it takes it.
 //!
 //! # Without a GPU
 //! libcuda is loaded when first needed: a program built with the feature starts and runs on a
@@ -406,14 +408,22 @@ pub(crate) trait Backend: Send + Sync + 'static {
         ))
     }
 
-    /// `mem` as a dma-buf (for registration with an RDMA NIC), once the writes queued to it
-    /// are done. The caller keeps `mem` alive while the NIC may reach it.
+    /// `mem` as a dma-buf (for registration with an RDMA NIC); with `sync`, once the writes
+    /// queued to it are done (memory the NIC reads; fresh memory it writes needs no wait).
+    /// The caller keeps `mem` alive while the NIC may reach it.
     #[cfg(feature = "rdma")]
-    fn dmabuf(&self, _mem: &Arc<dyn Mem>) -> Result<DmaBuf> {
+    fn dmabuf(&self, _mem: &Arc<dyn Mem>, _sync: bool) -> Result<DmaBuf> {
         Err(Error::new(
             ErrorKind::Unavailable,
             format!("{} does not export memory as a dma-buf", self.describe()),
         ))
+    }
+
+    /// A NIC finished writing `mem` (an RDMA read into it completed): makes those writes
+    /// visible to work the device does next.
+    #[cfg(feature = "rdma")]
+    fn written_by_nic(&self, _mem: &Arc<dyn Mem>) -> Result<()> {
+        Ok(())
     }
 
     /// Device memory of this device alive in this process: allocated, wrapped or mapped

@@ -210,7 +210,7 @@ impl Backend for StandIn {
     /// The memfd the body moves into when first lent (as for [`export`](Self::export)),
     /// standing in for the dma-buf a GPU driver exports.
     #[cfg(all(feature = "shm", feature = "rdma"))]
-    fn dmabuf(&self, mem: &Arc<dyn Mem>) -> Result<super::DmaBuf> {
+    fn dmabuf(&self, mem: &Arc<dyn Mem>, _sync: bool) -> Result<super::DmaBuf> {
         let m = mine(&**mem)?;
         Ok(super::DmaBuf {
             fd: m.shared(ipc::Shared::dup_fd)?,

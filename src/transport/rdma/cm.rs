@@ -331,6 +331,7 @@ pub(super) fn listen(at: SocketAddr, cfg: &Config) -> Result<Box<dyn AcceptHalf>
     id.listen(i32::try_from(backlog).unwrap_or(i32::MAX))
         .map_err(|e| cm_failed(&format!("listening at {at}"), e))?;
     let rcfg = super::config(cfg);
+    let setup = crate::transport::ChannelSetup::new(cfg, false);
     let (tx, rx) = mpsc::channel(backlog);
     let setups = Arc::new(tokio::sync::Semaphore::new(backlog));
     let local_url = format!("rdma://{at}");
@@ -371,9 +372,11 @@ pub(super) fn listen(at: SocketAddr, cfg: &Config) -> Result<Box<dyn AcceptHalf>
                     continue;
                 }
             };
-            let (tx, rcfg, local_url) = (tx.clone(), rcfg.clone(), local_url.clone());
+            let (tx, rcfg, local_url, setup) =
+                (tx.clone(), rcfg.clone(), local_url.clone(), setup.clone());
             tokio::spawn(async move {
-                let r = super::establish(Arc::new(verbs), rcfg, local_url.clone(), peer).await;
+                let r =
+                    super::establish(Arc::new(verbs), rcfg, setup, local_url.clone(), peer).await;
                 drop(permit);
                 match r {
                     Ok(parts) => {

@@ -195,16 +195,26 @@ enum Done<M> {
 
 type OpFuture<M> = Pin<Box<dyn Future<Output = Done<M>> + Send>>;
 
+/// Bodies from the peer's device memory smaller than this are read into host memory (and
+/// copied to the device when the Receiver takes them): device memory is allocated in whole
+/// blocks (2 MiB on CUDA), and this bounds what the bodies read ahead of the Receiver take
+/// there to twice what `recv_queue_bytes` counts.
+#[cfg(feature = "cuda")]
+const DEVICE_READ_MIN: u64 = 1 << 20;
+
+/// Why a body cannot be read into device memory.
+#[cfg(feature = "cuda")]
+enum NoTarget {
+    /// No device memory now (this body only).
+    Memory(Error),
+    /// The device does not export it, or the NIC does not register it (any body).
+    Registration(Error),
+}
+
 /// Where a body being read lands.
 enum Target<V: Verbs> {
-    /// A buffer of the receive pool; `upload`: a body from the peer's device memory, for a
-    /// Receiver that lands on this device, read into host memory because device memory could
-    /// not be registered.
-    Lease {
-        lease: Lease<V>,
-        #[cfg(feature = "cuda")]
-        upload: Option<crate::device::Gpu>,
-    },
+    /// A buffer of the receive pool.
+    Lease(Lease<V>),
     /// Device memory of ours, registered as a dma-buf (GPUDirect RDMA into the device); the
     /// registration (the read's buffer) is dropped when the read completes.
     #[cfg(feature = "cuda")]
@@ -218,6 +228,40 @@ enum Held<V: Verbs> {
     /// Device memory registered as a dma-buf by the `Sender`.
     #[cfg(feature = "cuda")]
     Device(#[allow(dead_code)] Box<dyn std::any::Any + Send + Sync>),
+}
+
+/// `m` with its body copied from device memory to host memory.
+#[cfg(feature = "cuda")]
+fn device_to_host(m: Message) -> Result<Message> {
+    let (kind, meta, body, header) = m.into_parts();
+    let bytes = match body.as_device() {
+        Some(d) => d.to_host()?,
+        None => return Ok(Message::from_parts(kind, meta, body, header)),
+    };
+    Ok(Message::from_parts(kind, meta, bytes.into(), header))
+}
+
+/// A message whose body came from device memory, as the channel sends such a body in
+/// pieces: an announcement of its length with the message's type, metadata and header
+/// (and `DEVICE`, with `MORE` unless it is empty), then the body as one piece (none when
+/// empty).
+fn device_wire_form(m: Message) -> (Message, Option<Message>) {
+    use crate::message::{Body, Header, Meta};
+    let (kind, meta, body, header) = m.into_parts();
+    let total = body.len() as u64;
+    let more = if total > 0 { Flags::MORE } else { Flags::NONE };
+    let announce = Message::from_parts(
+        kind.clone(),
+        meta,
+        Body::from(total.to_le_bytes().to_vec()),
+        Header {
+            flags: header.flags.union(Flags::DEVICE).union(more),
+            ..header
+        },
+    );
+    let piece =
+        (total > 0).then(|| Message::from_parts(kind, Meta::new(), body, Header::default()));
+    (announce, piece)
 }
 
 /// Follows the channel's wire form of bodies staged from device memory through the messages
@@ -388,9 +432,14 @@ impl<V: Verbs> Driver<V> {
         &self,
         gpu: &crate::device::Gpu,
         len: usize,
-    ) -> Result<(crate::device::DeviceBody, V::Mr)> {
-        let body = gpu.alloc(len)?;
-        let buf = body.gpu().backend().dmabuf(body.mem())?;
+    ) -> std::result::Result<(crate::device::DeviceBody, V::Mr), NoTarget> {
+        let body = gpu.alloc(len).map_err(NoTarget::Memory)?;
+        // Fresh memory: no writes queued to wait for.
+        let buf = body
+            .gpu()
+            .backend()
+            .dmabuf(body.mem(), false)
+            .map_err(NoTarget::Registration)?;
         let mr = self
             .verbs
             .register_dmabuf(Source::DmaBuf {
@@ -399,7 +448,7 @@ impl<V: Verbs> Driver<V> {
                 len: buf.len,
                 keep: Box::new(body.clone()),
             })
-            .map_err(|e| verbs_error(e, &self.sh.peer))?;
+            .map_err(|e| NoTarget::Registration(verbs_error(e, &self.sh.peer)))?;
         Ok((body, mr))
     }
 
@@ -480,37 +529,21 @@ impl<V: Verbs> Driver<V> {
                         continue;
                     };
                     let body: crate::message::Body = match target {
-                        Target::Lease {
-                            mut lease,
-                            #[cfg(feature = "cuda")]
-                            upload,
-                        } => {
+                        Target::Lease(mut lease) => {
                             lease.put_mr(mr);
                             self.rx_pending = self.rx_pending.saturating_sub(lease.len());
                             self.reading_bytes = self.reading_bytes.saturating_sub(lease.len());
-                            let bytes = Bytes::from_owner(lease);
-                            #[cfg(feature = "cuda")]
-                            if let Some(gpu) = upload {
-                                // A copy to the device in this task: the rare way, where
-                                // device memory cannot be registered.
-                                gpu.upload(&bytes)
-                                    .map_err(|e| {
-                                        Error::new(
-                                            e.kind(),
-                                            format!("landing a body from {peer} on {gpu:?}: {e:#}"),
-                                        )
-                                    })?
-                                    .into()
-                            } else {
-                                bytes.into()
-                            }
-                            #[cfg(not(feature = "cuda"))]
-                            bytes.into()
+                            Bytes::from_owner(lease).into()
                         }
                         #[cfg(feature = "cuda")]
                         Target::Device(body) => {
-                            // The NIC is done writing: the registration goes first.
+                            // The NIC is done writing: the registration goes first, then
+                            // its writes are made visible to the device's own work.
                             drop(mr);
+                            body.gpu()
+                                .backend()
+                                .written_by_nic(body.mem())
+                                .map_err(|e| Error::new(e.kind(), format!("{e:#} ({peer})")))?;
                             self.rx_pending = self.rx_pending.saturating_sub(body.len());
                             self.reading_bytes = self.reading_bytes.saturating_sub(body.len());
                             body.into()
@@ -667,15 +700,13 @@ impl<V: Verbs> Driver<V> {
                 break;
             }
             #[cfg(feature = "cuda")]
-            let landing = if r.device {
+            let landing = if r.device && r.body.len >= DEVICE_READ_MIN && self.dmabuf_rx {
                 lock(&self.sh.st).landing.clone()
             } else {
                 None
             };
             #[cfg(feature = "cuda")]
-            if let Some(gpu) = &landing
-                && self.dmabuf_rx
-            {
+            if let Some(gpu) = &landing {
                 match self.device_target(gpu, r.body.len as usize) {
                     Ok((body, mr)) => {
                         self.reads_waiting.pop_front();
@@ -689,12 +720,17 @@ impl<V: Verbs> Driver<V> {
                         progress = true;
                         continue;
                     }
-                    Err(e) => {
+                    Err(NoTarget::Memory(e)) => tracing::warn!(
+                        peer = %peer, bytes = r.body.len,
+                        "rdma: no device memory for a body from the peer's device memory: it \
+                         is read into host memory ({e:#})"
+                    ),
+                    Err(NoTarget::Registration(e)) => {
                         self.dmabuf_rx = false;
                         tracing::info!(
                             peer = %peer,
                             "rdma: bodies from the peer's device memory are read into host \
-                             memory, then copied to the device: {e:#}"
+                             memory and copied to the device when taken: {e:#}"
                         );
                     }
                 }
@@ -717,14 +753,7 @@ impl<V: Verbs> Driver<V> {
             self.reading_bytes += r.body.len as usize;
             let mut lease = lease;
             let mr = lease.take_mr().expect("fresh lease");
-            self.reading.insert(
-                r.rid,
-                Target::Lease {
-                    lease,
-                    #[cfg(feature = "cuda")]
-                    upload: landing,
-                },
-            );
+            self.reading.insert(r.rid, Target::Lease(lease));
             self.inflight += 1;
             let rid = r.rid;
             let fut = self.verbs.post_read(mr, r.body);
@@ -772,14 +801,25 @@ impl<V: Verbs> Driver<V> {
         let mut st = lock(&self.sh.st);
         let mut delivered = false;
         while st.inq.len() < self.cfg.recv_queue {
-            let Some(m) = self.conn.poll_message() else {
+            let Some((m, from_device)) = self.conn.poll_delivery() else {
                 break;
             };
             if self.stopped {
                 continue;
             }
-            st.inq_bytes += m.body().len();
-            st.inq.push_back(m);
+            if from_device && m.body().location() == crate::message::Location::Host {
+                // Read into host memory: in the channel's wire form of a body from device
+                // memory (an announcement, then the body as one piece), so that the
+                // Receiver's channel lands it where it lands such bodies when it takes it.
+                let (announce, piece) = device_wire_form(m);
+                for m in std::iter::once(announce).chain(piece) {
+                    st.inq_bytes += m.body().len();
+                    st.inq.push_back(m);
+                }
+            } else {
+                st.inq_bytes += m.body().len();
+                st.inq.push_back(m);
+            }
             delivered = true;
         }
         if delivered {
@@ -1082,7 +1122,7 @@ impl<V: Verbs> SendHalf for RdmaSender<V> {
         let lent = body
             .gpu()
             .backend()
-            .dmabuf(body.mem())
+            .dmabuf(body.mem(), true)
             .map_err(|e| e.to_string())
             .and_then(|buf| {
                 let src = Source::DmaBuf {
@@ -1187,8 +1227,15 @@ impl RecvHalf for RdmaReceiver {
         let mut st = lock(&self.sh.st);
         if let Some(m) = st.inq.pop_front() {
             st.inq_bytes -= m.body().len();
+            #[cfg(feature = "cuda")]
+            let to_host = st.landing.is_none();
             drop(st);
             self.sh.wake_driver();
+            #[cfg(feature = "cuda")]
+            if to_host && m.body().as_device().is_some() {
+                // Read into device memory before this Receiver switched to host memory.
+                return Poll::Ready(Some(device_to_host(m)));
+            }
             return Poll::Ready(Some(Ok(m)));
         }
         if let Some(e) = &st.error {

@@ -138,11 +138,13 @@ fn runtime() -> Result<()> {
 pub(crate) async fn establish<V: Verbs>(
     verbs: Arc<V>,
     cfg: RdmaConfig,
+    setup: crate::transport::ChannelSetup,
     local: String,
     peer: String,
 ) -> Result<Parts> {
     let t = cfg.handshake_timeout;
-    let p = prepare(verbs, cfg, peer)?;
+    let mut p = prepare(verbs, cfg, peer)?;
+    p.started.setup = setup;
     finish(p.spawn(), t, local).await
 }
 
@@ -165,8 +167,9 @@ pub(crate) struct Started {
     sh: Arc<driver::Shared>,
     tx: Box<dyn super::SendHalf>,
     rx: Box<dyn super::RecvHalf>,
-    /// Our own limit on bodies.
-    max_body: u64,
+    /// What the channel needs besides the halves: our own limit on bodies, and (in a
+    /// context) where bodies from device memory land.
+    setup: crate::transport::ChannelSetup,
 }
 
 /// Registers and posts a connection's buffers and makes its halves. Two sides in one process
@@ -184,7 +187,7 @@ pub(crate) fn prepare<V: Verbs>(verbs: Arc<V>, cfg: RdmaConfig, peer: String) ->
             sh,
             tx,
             rx,
-            max_body: cfg.limits.max_body,
+            setup: crate::transport::ChannelSetup::with_max_body(cfg.limits.max_body),
         },
     })
 }
@@ -215,7 +218,7 @@ pub(crate) async fn finish(
         peer_limits: limits,
         peer_identity: None,
         keepalive: None,
-        setup: crate::transport::ChannelSetup::with_max_body(s.max_body),
+        setup: s.setup,
     })
 }
 
@@ -253,8 +256,11 @@ pub(crate) async fn sim_connect(reg: &Arc<SimRegistry>, name: &str) -> Result<Pa
     let (a, b) = sim::pair(sim::SimConfig::default());
     let id = reg.names.next_id();
     // Both sides post their receives (in `start`) before either sends its HELLO.
-    let client = prepare(Arc::new(a), cfg.clone(), format!("{url}#listener"))?;
-    let server = prepare(Arc::new(b), cfg, format!("{url}#conn{id}"))?;
+    let mut client = prepare(Arc::new(a), cfg.clone(), format!("{url}#listener"))?;
+    let mut server = prepare(Arc::new(b), cfg, format!("{url}#conn{id}"))?;
+    let setup = crate::transport::ChannelSetup::new(&reg.cfg, false);
+    client.started.setup = setup.clone();
+    server.started.setup = setup;
     let (client, server) = (client.spawn(), server.spawn());
     let t = reg.cfg.handshake_timeout;
     let (c, s) = tokio::join!(

@@ -589,9 +589,10 @@ enum Out {
 }
 
 enum In {
-    Ready(Message),
-    /// Waiting for its body (rendezvous id).
-    Reading(u64, Option<Message>),
+    /// A message, and whether its body was in the sender's device memory.
+    Ready(Message, bool),
+    /// Waiting for its body (rendezvous id; the body is in the sender's device memory).
+    Reading(u64, Option<Message>, bool),
 }
 
 /// A body to fetch: the driver reads `body` into a buffer of its own, then calls
@@ -908,7 +909,7 @@ impl Connection {
                     Body::from(Bytes::copy_from_slice(body)),
                     Header { flags, correlation },
                 );
-                self.inbox.push_back(In::Ready(msg));
+                self.inbox.push_back(In::Ready(msg, false));
             }
             Decoded::Rts {
                 flags,
@@ -935,9 +936,9 @@ impl Connection {
                 if body.len == 0 {
                     self.rndv_in.remove(&rid);
                     self.ctrl.push_back(Out::Fin(rid));
-                    self.inbox.push_back(In::Ready(msg));
+                    self.inbox.push_back(In::Ready(msg, device));
                 } else {
-                    self.inbox.push_back(In::Reading(rid, Some(msg)));
+                    self.inbox.push_back(In::Reading(rid, Some(msg), device));
                     self.reads.push_back(ReadRequest { rid, body, device });
                 }
             }
@@ -984,12 +985,13 @@ impl Connection {
         }
         self.ctrl.push_back(Out::Fin(rid));
         for item in self.inbox.iter_mut() {
-            if let In::Reading(r, m) = item
+            if let In::Reading(r, m, device) = item
                 && *r == rid
             {
+                let device = *device;
                 let m = m.take().map(|m| m.with_body(body));
                 if let Some(m) = m {
-                    *item = In::Ready(m);
+                    *item = In::Ready(m, device);
                 }
                 return Ok(());
             }
@@ -1000,12 +1002,18 @@ impl Connection {
 
     /// The next message, in order.
     pub fn poll_message(&mut self) -> Option<Message> {
+        self.poll_delivery().map(|(m, _)| m)
+    }
+
+    /// The next message, in order, and whether its body was in the sender's device memory
+    /// (wherever the driver read it to).
+    pub fn poll_delivery(&mut self) -> Option<(Message, bool)> {
         match self.inbox.front() {
-            Some(In::Ready(_)) => match self.inbox.pop_front() {
-                Some(In::Ready(m)) => {
+            Some(In::Ready(..)) => match self.inbox.pop_front() {
+                Some(In::Ready(m, device)) => {
                     // Released: the peer may send another in its place.
                     self.consumed += 1;
-                    Some(m)
+                    Some((m, device))
                 }
                 _ => None,
             },

@@ -185,7 +185,8 @@ pub(crate) async fn connect<V: Verbs>(
         .map_err(|_| Error::new(ErrorKind::TimedOut, format!("connecting to {url}")))?
         .map_err(|e| Error::io(format!("connecting to {url}"), e))?;
     let verbs = handshake(&mut tcp, &rcfg, cfg.handshake_timeout, &url).await?;
-    super::establish(Arc::new(verbs), rcfg, url.clone(), url).await
+    let setup = crate::transport::ChannelSetup::new(cfg, false);
+    super::establish(Arc::new(verbs), rcfg, setup, url.clone(), url).await
 }
 
 /// An `rdma://host:port` listener: TCP connections accepted, each set up with the backend's
@@ -211,6 +212,7 @@ pub(crate) async fn bind<V: Verbs>(
     let (tx, rx) = mpsc::channel(cfg.accept_backlog.max(1));
     let setups = Arc::new(tokio::sync::Semaphore::new(cfg.accept_backlog.max(1)));
     let t = cfg.handshake_timeout;
+    let setup = crate::transport::ChannelSetup::new(cfg, false);
     let local_url = url.clone();
     tokio::spawn(async move {
         loop {
@@ -228,12 +230,20 @@ pub(crate) async fn bind<V: Verbs>(
                     }
                 },
             };
-            let (tx, rcfg, local_url) = (tx.clone(), rcfg.clone(), local_url.clone());
+            let (tx, rcfg, local_url, setup) =
+                (tx.clone(), rcfg.clone(), local_url.clone(), setup.clone());
             tokio::spawn(async move {
                 let peer = format!("rdma://{from}");
                 let r = async {
                     let verbs = handshake(&mut tcp, &rcfg, t, &peer).await?;
-                    super::establish(Arc::new(verbs), rcfg, local_url.clone(), peer.clone()).await
+                    super::establish(
+                        Arc::new(verbs),
+                        rcfg,
+                        setup,
+                        local_url.clone(),
+                        peer.clone(),
+                    )
+                    .await
                 }
                 .await;
                 drop(permit);

@@ -715,7 +715,9 @@ pub(crate) async fn connect(host: &str, port: u16, cfg: &Config) -> Result<Parts
                     })?;
                 match super::cm::connect(events, to, &rcfg, cfg.handshake_timeout, &url).await {
                     Ok(verbs) => {
-                        return super::establish(Arc::new(verbs), rcfg, url.clone(), url).await;
+                        let setup = crate::transport::ChannelSetup::new(cfg, false);
+                        return super::establish(Arc::new(verbs), rcfg, setup, url.clone(), url)
+                            .await;
                     }
                     Err(f) if f.before_accept => tracing::info!(
                         %url, "rdma_cm set-up failed ({:#}); trying the TCP set-up exchange",
