@@ -279,11 +279,7 @@ pub(super) fn check_uverbs(host: &Host, ports: &[RdmaPort]) -> Vec<Finding> {
             let path = host.path(&format!("/dev/infiniband/{node}"));
             // Opening is what libibverbs does first; it is refused by mode or by a
             // container's device cgroup.
-            match std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&path)
-            {
+            match open_rw(&path) {
                 Ok(_) => Finding::new(
                     CHECK,
                     Status::Ok,
@@ -303,6 +299,14 @@ pub(super) fn check_uverbs(host: &Host, ports: &[RdmaPort]) -> Vec<Finding> {
             }
         })
         .collect()
+}
+
+/// Opens a device node for reading and writing, as rdma-core does.
+fn open_rw(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
 }
 
 /// rdma_cm, through which `rdma://` sets connections up (the TCP set-up exchange otherwise).
@@ -326,11 +330,7 @@ pub(super) fn check_rdma_cm(host: &Host, ports: &[RdmaPort]) -> Finding {
              in a container: docker run --device=/dev/infiniband/rdma_cm",
         );
     }
-    match std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(host.path(NODE))
-    {
+    match open_rw(&host.path(NODE)) {
         Ok(_) => Finding::new(
             CHECK,
             Status::Ok,

@@ -150,7 +150,7 @@ impl Verbs for ArVerbs {
         let bytes = match &src {
             Source::Host(b) => b,
             #[cfg(feature = "cuda")]
-            Source::DmaBuf { .. } => {
+            Source::DmaBuf(_) => {
                 return Err(
                     VerbsError::new(VerbOp::Register, WcStatus::Other).with_detail(
                         "async-rdma cannot register dma-buf memory (GPUDirect RDMA): use the \

@@ -24,7 +24,6 @@
 //! cannot be loaded there.
 
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
@@ -40,7 +39,7 @@ use tokio::sync::mpsc;
 use super::RdmaConfig;
 #[cfg(doc)]
 use super::sideway::READS_IN_FLIGHT;
-use super::sideway::{Device, SwVerbs, remote_access};
+use super::sideway::{ChannelFd, Device, SwVerbs, readable, remote_access};
 use crate::error::{Error, ErrorKind, Result};
 use crate::transport::{AcceptHalf, Config, Parts};
 
@@ -61,19 +60,9 @@ fn setup_choice(v: Option<&str>) -> Result<bool> {
     }
 }
 
-/// The event channel's descriptor, as [`AsyncFd`] sees it (holding the channel keeps it
-/// open).
-struct ChannelFd(Arc<EventChannel>);
-
-impl AsRawFd for ChannelFd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0.as_raw_fd()
-    }
-}
-
 /// An rdma_cm event channel, awaited through tokio.
 pub(super) struct Events {
-    fd: AsyncFd<ChannelFd>,
+    fd: AsyncFd<ChannelFd<EventChannel>>,
 }
 
 fn cm_failed(what: &str, e: impl std::fmt::Display) -> Error {
@@ -94,12 +83,7 @@ impl Events {
         })?;
         ch.set_nonblocking(true)
             .map_err(|e| cm_failed("making the event channel non-blocking", e))?;
-        // SAFETY: `ChannelFd` owns the channel, so the descriptor stays open and the same for
-        // the whole life of the `AsyncFd`, and `as_raw_fd` always returns it.
-        let fd = unsafe {
-            AsyncFd::register_with_interest(ChannelFd(ch), tokio::io::Interest::READABLE)
-        }
-        .map_err(|e| Error::io("registering the rdma_cm event channel", e.into()))?;
+        let fd = readable(ch).map_err(|e| Error::io("registering the rdma_cm event channel", e))?;
         Ok(Events { fd })
     }
 
@@ -377,21 +361,14 @@ pub(super) fn listen(at: SocketAddr, cfg: &Config) -> Result<Box<dyn AcceptHalf>
             tokio::spawn(async move {
                 let r =
                     super::establish(Arc::new(verbs), rcfg, setup, local_url.clone(), peer).await;
-                drop(permit);
-                match r {
-                    Ok(parts) => {
-                        let _ = tx.send(parts).await;
-                    }
-                    Err(e) => tracing::warn!(url = %local_url, "rejected RDMA connection: {e:#}"),
-                }
+                super::setup::hand_over(r, permit, &tx, &local_url).await;
             });
         }
     });
-    Ok(Box::new(CmAccept { rx }))
-}
-
-struct CmAccept {
-    rx: mpsc::Receiver<Parts>,
+    Ok(Box::new(super::setup::Accepted {
+        rx,
+        task: "rdma_cm",
+    }))
 }
 
 /// Connections set up either way, rdma_cm's first.
@@ -410,23 +387,6 @@ impl AcceptHalf for Both {
 
     fn rejected(&self) -> u64 {
         self.cm.rejected() + self.tcp.rejected()
-    }
-}
-
-impl AcceptHalf for CmAccept {
-    fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Parts>> {
-        self.rx.poll_recv(cx).map(|p| {
-            p.ok_or_else(|| {
-                Error::new(
-                    ErrorKind::Unavailable,
-                    "the rdma_cm accept task has stopped",
-                )
-            })
-        })
-    }
-
-    fn rejected(&self) -> u64 {
-        0
     }
 }
 

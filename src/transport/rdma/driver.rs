@@ -221,6 +221,17 @@ enum Target<V: Verbs> {
     Device(crate::device::DeviceBody),
 }
 
+impl<V: Verbs> Target<V> {
+    /// The body's length.
+    fn len(&self) -> usize {
+        match self {
+            Target::Lease(lease) => lease.len(),
+            #[cfg(feature = "cuda")]
+            Target::Device(body) => body.len(),
+        }
+    }
+}
+
 /// A body of ours the peer may read, registered on its own until its `FIN`.
 enum Held<V: Verbs> {
     /// Host memory ([`Verbs::expose`]).
@@ -228,6 +239,19 @@ enum Held<V: Verbs> {
     /// Device memory registered as a dma-buf by the `Sender`.
     #[cfg(feature = "cuda")]
     Device(#[allow(dead_code)] Box<dyn std::any::Any + Send + Sync>),
+}
+
+/// `body`'s memory as a dma-buf that holds `body` (with `sync`, once the writes queued to it
+/// are done).
+#[cfg(feature = "cuda")]
+fn dmabuf_of(body: &crate::device::DeviceBody, sync: bool) -> Result<super::verbs::DmaBuf> {
+    let buf = body.gpu().backend().dmabuf(body.mem(), sync)?;
+    Ok(super::verbs::DmaBuf {
+        fd: buf.fd,
+        offset: buf.offset,
+        len: buf.len,
+        keep: Box::new(body.clone()),
+    })
 }
 
 /// `m` with its body copied from device memory to host memory.
@@ -300,8 +324,6 @@ pub(crate) struct Driver<V: Verbs> {
     /// Receiver lands there (off after the first refusal).
     #[cfg(feature = "cuda")]
     dmabuf_rx: bool,
-    /// Body bytes being fetched (announced, not yet read).
-    rx_pending: usize,
     /// Body bytes of the reads posted and not yet completed.
     reading_bytes: usize,
     /// Our heartbeat: a counter at `beat_addr`, in this region, which the peer reads. Kept
@@ -408,7 +430,6 @@ impl<V: Verbs> Driver<V> {
             reading: HashMap::new(),
             #[cfg(feature = "cuda")]
             dmabuf_rx: cfg.gpudirect,
-            rx_pending: 0,
             reading_bytes: 0,
             _beat_src: beat_src,
             beat_addr,
@@ -435,21 +456,24 @@ impl<V: Verbs> Driver<V> {
     ) -> std::result::Result<(crate::device::DeviceBody, V::Mr), NoTarget> {
         let body = gpu.alloc(len).map_err(NoTarget::Memory)?;
         // Fresh memory: no writes queued to wait for.
-        let buf = body
-            .gpu()
-            .backend()
-            .dmabuf(body.mem(), false)
-            .map_err(NoTarget::Registration)?;
+        let buf = dmabuf_of(&body, false).map_err(NoTarget::Registration)?;
         let mr = self
             .verbs
-            .register_dmabuf(Source::DmaBuf {
-                fd: buf.fd,
-                offset: buf.offset,
-                len: buf.len,
-                keep: Box::new(body.clone()),
-            })
+            .register_dmabuf(buf)
             .map_err(|e| NoTarget::Registration(verbs_error(e, &self.sh.peer)))?;
         Ok((body, mr))
+    }
+
+    /// Posts the read of `r` (the front of `reads_waiting`) into `mr`, which is `target`'s.
+    fn start_read(&mut self, r: ReadRequest, mr: V::Mr, target: Target<V>) {
+        self.reads_waiting.pop_front();
+        self.reading_bytes += target.len();
+        self.reading.insert(r.rid, target);
+        self.inflight += 1;
+        let rid = r.rid;
+        let fut = self.verbs.post_read(mr, r.body);
+        self.ops
+            .push(Box::pin(async move { Done::Read(rid, fut.await) }));
     }
 
     /// `bytes` copied to memory of their own, registered for the peer to read.
@@ -528,11 +552,10 @@ impl<V: Verbs> Driver<V> {
                     let Some(target) = self.reading.remove(&rid) else {
                         continue;
                     };
+                    self.reading_bytes = self.reading_bytes.saturating_sub(target.len());
                     let body: crate::message::Body = match target {
                         Target::Lease(mut lease) => {
                             lease.put_mr(mr);
-                            self.rx_pending = self.rx_pending.saturating_sub(lease.len());
-                            self.reading_bytes = self.reading_bytes.saturating_sub(lease.len());
                             Bytes::from_owner(lease).into()
                         }
                         #[cfg(feature = "cuda")]
@@ -544,8 +567,6 @@ impl<V: Verbs> Driver<V> {
                                 .backend()
                                 .written_by_nic(body.mem())
                                 .map_err(|e| Error::new(e.kind(), format!("{e:#} ({peer})")))?;
-                            self.rx_pending = self.rx_pending.saturating_sub(body.len());
-                            self.reading_bytes = self.reading_bytes.saturating_sub(body.len());
                             body.into()
                         }
                     };
@@ -582,10 +603,8 @@ impl<V: Verbs> Driver<V> {
             r.map_err(|e| proto_error(e, &peer))?;
             progress = true;
             // Count announced bodies at once, so the byte bound holds within this loop.
-            while let Some(r) = self.conn.poll_read() {
-                self.rx_pending += r.body.len as usize;
-                self.reads_waiting.push_back(r);
-            }
+            self.reads_waiting
+                .extend(std::iter::from_fn(|| self.conn.poll_read()));
             if st.peer_limits.is_none()
                 && let Some(l) = self.conn.peer_limits_for_sending()
             {
@@ -650,15 +669,15 @@ impl<V: Verbs> Driver<V> {
                         // arrival runs this step again).
                         break;
                     }
-                    let bytes = msg.body().as_bytes().cloned().unwrap_or_default();
+                    let bytes: &[u8] = msg.body().as_bytes().map_or(&[], |b| b.as_ref());
                     let (exposed, region) = if staged_piece(&mut self.staging, msg.header().flags) {
                         // A buffer of the GPU's staging pool, which every channel on that GPU
                         // shares: copied, so that it returns at once (as on every other
                         // transport) instead of when the peer has read it.
-                        self.expose_copy(&bytes)
-                            .map_err(|e| verbs_error(e, &peer))?
+                        self.expose_copy(bytes).map_err(|e| verbs_error(e, &peer))?
                     } else {
-                        match self.verbs.expose(Source::Host(bytes.clone())) {
+                        let lent = msg.body().as_bytes().cloned().unwrap_or_default();
+                        match self.verbs.expose(Source::Host(lent)) {
                             Ok(x) => x,
                             Err(e) => {
                                 // Memory the NIC cannot register where it lies (a special
@@ -667,8 +686,7 @@ impl<V: Verbs> Driver<V> {
                                     peer = %peer,
                                     "rdma: a body is copied, its memory cannot be registered: {e}"
                                 );
-                                self.expose_copy(&bytes)
-                                    .map_err(|e| verbs_error(e, &peer))?
+                                self.expose_copy(bytes).map_err(|e| verbs_error(e, &peer))?
                             }
                         }
                     };
@@ -687,10 +705,8 @@ impl<V: Verbs> Driver<V> {
         drop(st);
 
         // Bodies to fetch, while the pool has room.
-        while let Some(r) = self.conn.poll_read() {
-            self.rx_pending += r.body.len as usize;
-            self.reads_waiting.push_back(r);
-        }
+        self.reads_waiting
+            .extend(std::iter::from_fn(|| self.conn.poll_read()));
         while let Some(r) = self.reads_waiting.front().copied() {
             // Read ahead of the Receiver by at most `recv_queue_bytes` (at least one body).
             let queued = lock(&self.sh.st).inq_bytes;
@@ -709,14 +725,7 @@ impl<V: Verbs> Driver<V> {
             if let Some(gpu) = &landing {
                 match self.device_target(gpu, r.body.len as usize) {
                     Ok((body, mr)) => {
-                        self.reads_waiting.pop_front();
-                        self.reading_bytes += r.body.len as usize;
-                        self.reading.insert(r.rid, Target::Device(body));
-                        self.inflight += 1;
-                        let rid = r.rid;
-                        let fut = self.verbs.post_read(mr, r.body);
-                        self.ops
-                            .push(Box::pin(async move { Done::Read(rid, fut.await) }));
+                        self.start_read(r, mr, Target::Device(body));
                         progress = true;
                         continue;
                     }
@@ -749,16 +758,9 @@ impl<V: Verbs> Driver<V> {
                 }
                 Err(PoolError::Register(e)) => return Err(verbs_error(e, &peer)),
             };
-            self.reads_waiting.pop_front();
-            self.reading_bytes += r.body.len as usize;
             let mut lease = lease;
             let mr = lease.take_mr().expect("fresh lease");
-            self.reading.insert(r.rid, Target::Lease(lease));
-            self.inflight += 1;
-            let rid = r.rid;
-            let fut = self.verbs.post_read(mr, r.body);
-            self.ops
-                .push(Box::pin(async move { Done::Read(rid, fut.await) }));
+            self.start_read(r, mr, Target::Lease(lease));
             progress = true;
         }
 
@@ -1119,19 +1121,12 @@ impl<V: Verbs> SendHalf for RdmaSender<V> {
         if !d.on || body.is_empty() {
             return None;
         }
-        let lent = body
-            .gpu()
-            .backend()
-            .dmabuf(body.mem(), true)
+        let lent = dmabuf_of(body, true)
             .map_err(|e| e.to_string())
             .and_then(|buf| {
-                let src = Source::DmaBuf {
-                    fd: buf.fd,
-                    offset: buf.offset,
-                    len: buf.len,
-                    keep: Box::new(body.clone()),
-                };
-                d.verbs.expose(src).map_err(|e| e.to_string())
+                d.verbs
+                    .expose(Source::DmaBuf(buf))
+                    .map_err(|e| e.to_string())
             });
         match lent {
             Ok((reg, region)) => {

@@ -246,28 +246,47 @@ pub(crate) async fn bind<V: Verbs>(
                     .await
                 }
                 .await;
-                drop(permit);
-                match r {
-                    Ok(parts) => {
-                        let _ = tx.send(parts).await;
-                    }
-                    Err(e) => tracing::warn!(url = %local_url, "rejected RDMA connection: {e:#}"),
-                }
+                hand_over(r, permit, &tx, &local_url).await;
             });
         }
     });
-    Ok((Box::new(TcpAccept { rx }), url))
+    Ok((Box::new(Accepted { rx, task: "rdma" }), url))
 }
 
-/// The accepted connections of [`bind`], set up.
-struct TcpAccept {
-    rx: mpsc::Receiver<Parts>,
+/// The end of one accepted connection's set-up: its permit returned, then the connection
+/// handed to the acceptor, or the failure logged.
+pub(crate) async fn hand_over(
+    r: Result<Parts>,
+    permit: tokio::sync::OwnedSemaphorePermit,
+    tx: &mpsc::Sender<Parts>,
+    local_url: &str,
+) {
+    drop(permit);
+    match r {
+        Ok(parts) => {
+            let _ = tx.send(parts).await;
+        }
+        Err(e) => tracing::warn!(url = %local_url, "rejected RDMA connection: {e:#}"),
+    }
 }
 
-impl AcceptHalf for TcpAccept {
+/// The accepted connections of a listener's accept task ([`bind`], rdma_cm's), set up.
+pub(crate) struct Accepted {
+    pub(crate) rx: mpsc::Receiver<Parts>,
+    /// Names the task in the error once it has stopped.
+    pub(crate) task: &'static str,
+}
+
+impl AcceptHalf for Accepted {
     fn poll_accept(&mut self, cx: &mut Context<'_>) -> Poll<Result<Parts>> {
+        let task = self.task;
         self.rx.poll_recv(cx).map(|p| {
-            p.ok_or_else(|| Error::new(ErrorKind::Unavailable, "the rdma accept task has stopped"))
+            p.ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Unavailable,
+                    format!("the {task} accept task has stopped"),
+                )
+            })
         })
     }
 

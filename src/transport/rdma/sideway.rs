@@ -42,6 +42,8 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::oneshot;
 
 use super::setup::{self, Endpoint, Placement};
+#[cfg(feature = "cuda")]
+use super::verbs::DmaBuf;
 use super::verbs::{
     Access, Completion, Region, RemoteRegion, Source, VerbOp, Verbs, VerbsError, WcStatus,
 };
@@ -92,7 +94,8 @@ pub(crate) struct SwMr {
     /// The address the work requests name (the iova of a dma-buf).
     addr: u64,
     len: usize,
-    _device: Option<Source>,
+    #[cfg(feature = "cuda")]
+    _device: Option<DmaBuf>,
 }
 
 impl Region for SwMr {
@@ -118,28 +121,23 @@ impl Region for SwMr {
 }
 
 impl SwVerbs {
-    /// Registers `len` bytes at `offset` of the dma-buf `fd` with `access`; the peer and
-    /// the work requests address them by their offset (the iova keeps the offset's place in
-    /// its page, as the NIC's translation wants).
+    /// Registers `buf` with `access`; the peer and the work requests address it by its
+    /// offset (the iova keeps the offset's place in its page, as the NIC's translation
+    /// wants).
     ///
     /// # Safety
-    /// `fd` is a dma-buf whose memory stays valid, `offset..offset + len` within it, until
-    /// the returned registration is dropped.
+    /// `buf`'s memory stays valid, `offset..offset + len` within it, until the returned
+    /// registration is dropped.
     #[cfg(feature = "cuda")]
     unsafe fn reg_dmabuf(
         &self,
-        fd: &std::os::fd::OwnedFd,
-        offset: u64,
-        len: usize,
+        buf: &DmaBuf,
         access: AccessFlags,
     ) -> std::result::Result<Arc<MemoryRegion>, VerbsError> {
         use std::os::fd::AsRawFd;
+        let (fd, offset) = (buf.fd.as_raw_fd(), buf.offset);
         // SAFETY: as the caller promises.
-        unsafe {
-            self.pd
-                .reg_dmabuf_mr(offset, len, offset, fd.as_raw_fd(), access)
-        }
-        .map_err(|e| {
+        unsafe { self.pd.reg_dmabuf_mr(offset, buf.len, offset, fd, access) }.map_err(|e| {
             VerbsError::new(VerbOp::Register, WcStatus::NoMemory).with_detail(format!(
                 "{e:#} (GPUDirect RDMA needs an RDMA driver that takes dma-bufs, Linux \
                      5.12+ and rdma-core 34+, and a GPU driver that exports them; run `hf doctor`)"
@@ -216,14 +214,22 @@ pub(super) fn remote_access() -> AccessFlags {
 /// the device's limits).
 pub(super) const READS_IN_FLIGHT: u8 = 16;
 
-/// The completion channel, as [`AsyncFd`] sees it: holding the channel keeps its
-/// descriptor open for as long as the `AsyncFd` lives.
-struct ChannelFd(Arc<CompletionChannel>);
+/// A channel of sideway's (completion, rdma_cm events), as [`AsyncFd`] sees it: holding
+/// the channel keeps its descriptor open for as long as the `AsyncFd` lives.
+pub(super) struct ChannelFd<T>(pub(super) Arc<T>);
 
-impl AsRawFd for ChannelFd {
+impl<T: AsRawFd> AsRawFd for ChannelFd<T> {
     fn as_raw_fd(&self) -> RawFd {
         self.0.as_raw_fd()
     }
+}
+
+/// `ch`'s descriptor (non-blocking), awaited for reading through tokio.
+pub(super) fn readable<T: AsRawFd>(ch: Arc<T>) -> std::io::Result<AsyncFd<ChannelFd<T>>> {
+    // SAFETY: `ChannelFd` owns the channel, so the descriptor stays open and the same for the
+    // whole life of the `AsyncFd`, and `as_raw_fd` always returns it.
+    unsafe { AsyncFd::register_with_interest(ChannelFd(ch), tokio::io::Interest::READABLE) }
+        .map_err(Into::into)
 }
 
 /// [`Verbs`] over one sideway queue pair. Fields drop in order: the queue pair (no DMA after
@@ -294,12 +300,7 @@ impl SwVerbs {
         .min()
         .unwrap_or(1)
         .clamp(1, i64::from(READS_IN_FLIGHT)) as u8;
-        // SAFETY: `ChannelFd` owns the channel, so the descriptor stays open and the same
-        // for the whole life of the `AsyncFd`, and `as_raw_fd` always returns it.
-        let fd = unsafe {
-            AsyncFd::register_with_interest(ChannelFd(ch), tokio::io::Interest::READABLE)
-        }
-        .map_err(|e| Error::io("registering the completion channel", e.into()))?;
+        let fd = readable(ch).map_err(|e| Error::io("registering the completion channel", e))?;
         let inflight: Table = Arc::default();
         let reaper = tokio::spawn(reap(cq, fd, inflight.clone(), peer.to_owned()));
         Ok(SwVerbs {
@@ -490,7 +491,12 @@ fn drain(cq: &BasicCompletionQueue, table: &Table) -> std::result::Result<(), St
 }
 
 /// The connection's reaper: arm the completion queue, wait on the channel, drain.
-async fn reap(cq: Arc<BasicCompletionQueue>, fd: AsyncFd<ChannelFd>, table: Table, peer: String) {
+async fn reap(
+    cq: Arc<BasicCompletionQueue>,
+    fd: AsyncFd<ChannelFd<CompletionChannel>>,
+    table: Table,
+    peer: String,
+) {
     let ch = &fd.get_ref().0;
     let fatal = loop {
         if let Err(e) = drain(&cq, &table) {
@@ -569,6 +575,7 @@ impl Verbs for SwVerbs {
             addr: mem.as_ptr() as u64,
             len: mem.len(),
             mem: Some(mem),
+            #[cfg(feature = "cuda")]
             _device: None,
         })
     }
@@ -596,13 +603,11 @@ impl Verbs for SwVerbs {
                 (mr, addr, len)
             }
             #[cfg(feature = "cuda")]
-            Source::DmaBuf {
-                fd, offset, len, ..
-            } => {
+            Source::DmaBuf(buf) => {
                 // SAFETY: `src` keeps the dma-buf's memory alive and its descriptor open
                 // until the returned `SwExposed` drops, registration first.
-                let mr = unsafe { self.reg_dmabuf(fd, *offset, *len, AccessFlags::RemoteRead) }?;
-                (mr, *offset, *len)
+                let mr = unsafe { self.reg_dmabuf(buf, AccessFlags::RemoteRead) }?;
+                (mr, buf.offset, buf.len)
             }
         };
         let region = RemoteRegion {
@@ -614,27 +619,17 @@ impl Verbs for SwVerbs {
     }
 
     #[cfg(feature = "cuda")]
-    fn register_dmabuf(&self, src: Source) -> std::result::Result<SwMr, VerbsError> {
-        let Source::DmaBuf {
-            ref fd,
-            offset,
-            len,
-            ..
-        } = src
-        else {
-            return Err(VerbsError::new(VerbOp::Register, WcStatus::Other)
-                .with_detail("register_dmabuf takes a dma-buf"));
-        };
-        // SAFETY: `src` keeps the dma-buf's memory alive and its descriptor open until the
+    fn register_dmabuf(&self, buf: DmaBuf) -> std::result::Result<SwMr, VerbsError> {
+        // SAFETY: `buf` keeps the dma-buf's memory alive and its descriptor open until the
         // returned `SwMr` drops, registration first; reads into it are posted only by the
         // driver, which owns the buffer while they run.
-        let mr = unsafe { self.reg_dmabuf(fd, offset, len, AccessFlags::LocalWrite) }?;
+        let mr = unsafe { self.reg_dmabuf(&buf, AccessFlags::LocalWrite) }?;
         Ok(SwMr {
             mr,
             mem: None,
-            addr: offset,
-            len,
-            _device: Some(src),
+            addr: buf.offset,
+            len: buf.len,
+            _device: Some(buf),
         })
     }
 

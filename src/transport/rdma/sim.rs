@@ -35,6 +35,8 @@ use std::time::Duration;
 
 use futures_util::task::AtomicWaker;
 
+#[cfg(feature = "cuda")]
+use super::verbs::DmaBuf;
 use super::verbs::{
     Access, Completion, Region, RemoteRegion, Source, VerbOp, Verbs, VerbsError, WcStatus,
 };
@@ -606,14 +608,13 @@ impl SimVerbs {
     /// the target of reads). The stand-in device exports a memfd; a GPU's dma-buf is not for
     /// the CPU to map, so the simulation refuses one it cannot map.
     #[cfg(feature = "cuda")]
-    fn dmabuf(
-        &self,
-        fd: std::os::fd::OwnedFd,
-        offset: u64,
-        len: usize,
-        keep: Box<dyn std::any::Any + Send + Sync>,
-        write: bool,
-    ) -> Result<SimMem, VerbsError> {
+    fn dmabuf(&self, buf: DmaBuf, write: bool) -> Result<SimMem, VerbsError> {
+        let DmaBuf {
+            fd,
+            offset,
+            len,
+            keep,
+        } = buf;
         let refused =
             |why: String| Err(VerbsError::new(VerbOp::Register, WcStatus::Other).with_detail(why));
         if lock(&self.me.faults).no_dmabuf {
@@ -729,12 +730,7 @@ impl Verbs for SimVerbs {
         let mem = Arc::new(match src {
             Source::Host(bytes) => SimMem::lent(bytes.as_ptr(), bytes.len(), Box::new(bytes)),
             #[cfg(feature = "cuda")]
-            Source::DmaBuf {
-                fd,
-                offset,
-                len,
-                keep,
-            } => self.dmabuf(fd, offset, len, keep, false)?,
+            Source::DmaBuf(buf) => self.dmabuf(buf, false)?,
         });
         let reg = self.reg(&mem, Access::REMOTE_READ)?;
         let region = RemoteRegion {
@@ -757,18 +753,8 @@ impl Verbs for SimVerbs {
     }
 
     #[cfg(feature = "cuda")]
-    fn register_dmabuf(&self, src: Source) -> Result<SimMr, VerbsError> {
-        let Source::DmaBuf {
-            fd,
-            offset,
-            len,
-            keep,
-        } = src
-        else {
-            return Err(VerbsError::new(VerbOp::Register, WcStatus::Other)
-                .with_detail("register_dmabuf takes a dma-buf"));
-        };
-        let mem = Arc::new(self.dmabuf(fd, offset, len, keep, true)?);
+    fn register_dmabuf(&self, buf: DmaBuf) -> Result<SimMr, VerbsError> {
+        let mem = Arc::new(self.dmabuf(buf, true)?);
         let reg = self.reg(&mem, Access::LOCAL)?;
         Ok(SimMr { reg, mem })
     }

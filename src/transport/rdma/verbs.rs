@@ -231,20 +231,25 @@ pub enum Source {
     /// Host memory. The registration keeps the bytes (and so their memory) alive and
     /// unchanged: `Bytes` are immutable.
     Host(bytes::Bytes),
-    /// Device memory as a dma-buf (GPUDirect RDMA, `ibv_reg_dmabuf_mr`): `len` bytes at
-    /// `offset` of the file `fd`. `keep` holds the memory; the registration keeps it (and
-    /// the descriptor) until it is dropped.
+    /// Device memory as a dma-buf (GPUDirect RDMA).
     #[cfg(feature = "cuda")]
-    DmaBuf {
-        /// The dma-buf.
-        fd: std::os::fd::OwnedFd,
-        /// Where the body starts in it.
-        offset: u64,
-        /// The body's length.
-        len: usize,
-        /// What keeps the memory alive (the device body).
-        keep: Box<dyn std::any::Any + Send + Sync>,
-    },
+    DmaBuf(DmaBuf),
+}
+
+/// Device memory as a dma-buf, for `ibv_reg_dmabuf_mr` (GPUDirect RDMA): `len` bytes at
+/// `offset` of the file `fd`. `keep` holds the memory; a registration keeps it (and the
+/// descriptor) until it is dropped.
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+pub struct DmaBuf {
+    /// The dma-buf.
+    pub fd: std::os::fd::OwnedFd,
+    /// Where the body starts in it.
+    pub offset: u64,
+    /// The body's length.
+    pub len: usize,
+    /// What keeps the memory alive (the device body).
+    pub keep: Box<dyn std::any::Any + Send + Sync>,
 }
 
 impl Source {
@@ -253,7 +258,7 @@ impl Source {
         match self {
             Source::Host(b) => b.len(),
             #[cfg(feature = "cuda")]
-            Source::DmaBuf { len, .. } => *len,
+            Source::DmaBuf(buf) => buf.len,
         }
     }
 
@@ -281,14 +286,13 @@ pub trait Verbs: Send + Sync + 'static {
     /// value deregisters it (the key is dead from then on) and lets go of the memory.
     fn expose(&self, src: Source) -> Result<(Self::Exposed, RemoteRegion), VerbsError>;
 
-    /// Registers `src` (a [`Source::DmaBuf`]: device memory of ours) as a local buffer that
-    /// reads land in: the peer's NIC writes device memory directly (GPUDirect RDMA on the
-    /// receiving side). The returned buffer has no CPU view (`as_slice` may be empty) and
-    /// keeps `src` until it drops. Backends without dma-buf registration refuse (the
-    /// default).
+    /// Registers `buf` (device memory of ours) as a local buffer that reads land in: the
+    /// peer's NIC writes device memory directly (GPUDirect RDMA on the receiving side). The
+    /// returned buffer has no CPU view (`as_slice` may be empty) and keeps `buf` until it
+    /// drops. Backends without dma-buf registration refuse (the default).
     #[cfg(feature = "cuda")]
-    fn register_dmabuf(&self, src: Source) -> Result<Self::Mr, VerbsError> {
-        let _ = src;
+    fn register_dmabuf(&self, buf: DmaBuf) -> Result<Self::Mr, VerbsError> {
+        let _ = buf;
         Err(VerbsError::new(VerbOp::Register, WcStatus::Other)
             .with_detail(format!("{} cannot register dma-buf memory", self.name())))
     }
