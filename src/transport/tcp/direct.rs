@@ -403,6 +403,8 @@ pub(super) fn start(
         sh: sh.clone(),
         accepted: 0,
         messages: 0,
+        batch: (0, 0),
+        kicked: false,
         closing: false,
     };
     let rx = DirectReceiver {
@@ -453,6 +455,13 @@ pub(super) struct DirectSender {
     accepted: u64,
     /// Messages accepted.
     messages: u64,
+    /// Messages and bytes in the batch when the last message was accepted: what
+    /// `poll_submit` decides on without taking the writer's lock again.
+    batch: (usize, usize),
+    /// This sender left work for the flusher and has not seen it run since (`yielded` is
+    /// still unset): the flusher is woken or about to write, and writes what is appended
+    /// before it takes the writer's lock, so a second `kick` per message is not needed.
+    kicked: bool,
     closing: bool,
 }
 
@@ -537,6 +546,7 @@ impl SendHalf for DirectSender {
         let mut w = self.sh.lock();
         w.push(msg);
         self.accepted = w.appended;
+        self.batch = (w.batch.messages(), w.batch.bytes());
         self.messages += 1;
         Ok(())
     }
@@ -545,22 +555,43 @@ impl SendHalf for DirectSender {
     /// pending, otherwise when this task yields (the flusher). Either way it is the
     /// transport's now.
     fn poll_submit(&mut self, _cx: &mut Context<'_>) -> Poll<Result<()>> {
-        let mut w = self.sh.lock();
-        if w.pending() == 0 {
+        // Decided without the writer's lock, on what `start_send` saw under it: a stream of
+        // small messages takes the lock once per message, and the flusher is kicked once
+        // per yield rather than once per message (each of those is an atomic read-modify-
+        // write, a few percent of a 64 B message's cost).
+        if self.accepted <= self.sh.written.load(Ordering::Acquire) {
             return Poll::Ready(Ok(()));
         }
-        let now = self.sh.yielded.swap(false, Ordering::Relaxed)
-            || w.batch.messages() >= BATCH_MESSAGES
-            || w.batch.bytes() >= BATCH_BYTES;
-        if now && self.write_now(&mut w)? {
-            // All written: nothing for the flusher. A request/response exchange parks its
-            // Receiver before the next send, which marks the yield.
+        // The flusher (or the Receiver finding the socket empty) marks the yield; only this
+        // half clears the mark.
+        let yielded = self.sh.yielded.load(Ordering::Relaxed);
+        if yielded {
+            self.sh.yielded.store(false, Ordering::Relaxed);
+            self.kicked = false;
+        }
+        let (msgs, bytes) = self.batch;
+        if yielded || msgs >= BATCH_MESSAGES || bytes >= BATCH_BYTES {
+            let mut w = self.sh.lock();
+            if w.pending() == 0 {
+                return Poll::Ready(Ok(()));
+            }
+            if self.write_now(&mut w)? {
+                // All written: nothing for the flusher. A request/response exchange parks
+                // its Receiver before the next send, which marks the yield.
+                return Poll::Ready(Ok(()));
+            }
+            // The socket is full: `write_now` left the rest to the flusher.
+            self.kicked = true;
             return Poll::Ready(Ok(()));
         }
-        drop(w);
         // The flusher runs when this task yields: it writes what is left, and its running
-        // tells the next send that the task yielded.
-        self.sh.kick();
+        // tells the next send that the task yielded. Kicked already and not run since: it
+        // writes this message too (it marks `yielded` before it takes the lock, and this
+        // message was appended under the lock before `yielded` was read above).
+        if !self.kicked {
+            self.sh.kick();
+            self.kicked = true;
+        }
         Poll::Ready(Ok(()))
     }
 
@@ -840,15 +871,14 @@ pub(super) struct DirectReceiver {
     done: bool,
 }
 
-impl DirectReceiver {
-    fn end(&mut self, end: End) -> Poll<Option<Result<Message>>> {
-        self.done = true;
-        // The flusher reads the rest of the stream (STOP, ERROR, EOF) from here on.
-        self.sh.kick();
-        match end {
-            End::Closed | End::Eof => Poll::Ready(None),
-            End::Failed => Poll::Ready(self.sh.recv_error.get().map(|e| Err(e.duplicate()))),
-        }
+/// Ends the Receiver's stream (`done` is its flag): what it returns from here on.
+fn end_stream(done: &mut bool, sh: &Shared, end: End) -> Poll<Option<Result<Message>>> {
+    *done = true;
+    // The flusher reads the rest of the stream (STOP, ERROR, EOF) from here on.
+    sh.kick();
+    match end {
+        End::Closed | End::Eof => Poll::Ready(None),
+        End::Failed => Poll::Ready(sh.recv_error.get().map(|e| Err(e.duplicate()))),
     }
 }
 
@@ -857,7 +887,10 @@ impl RecvHalf for DirectReceiver {
         if self.done {
             return Poll::Ready(None);
         }
-        let sh = self.sh.clone();
+        // Borrowed, not cloned: a reference count up and down per message is two atomic
+        // read-modify-writes on the receive path.
+        let DirectReceiver { sh, done } = self;
+        let sh: &Shared = sh;
         sh.rx_parked.store(false, Ordering::Relaxed);
         let mut st = sh.read_state();
         if let Some(m) = st.early.pop_front() {
@@ -872,19 +905,19 @@ impl RecvHalf for DirectReceiver {
         }
         if let Some(end) = st.end {
             drop(st);
-            return self.end(end);
+            return end_stream(done, sh, end);
         }
-        match st.poll_next(&sh, Some(cx), sh.busy_poll) {
+        match st.poll_next(sh, Some(cx), sh.busy_poll) {
             Poll::Ready(Ok(Got::Message(m))) => Poll::Ready(Some(Ok(m))),
             Poll::Ready(Ok(Got::Closed)) => {
                 st.end = Some(End::Closed);
                 drop(st);
-                self.end(End::Closed)
+                end_stream(done, sh, End::Closed)
             }
             Poll::Ready(Ok(Got::Eof)) => {
                 st.end = Some(End::Eof);
                 drop(st);
-                self.end(End::Eof)
+                end_stream(done, sh, End::Eof)
             }
             Poll::Ready(Err((e, tell_peer))) => {
                 st.end = Some(End::Failed);
@@ -897,7 +930,7 @@ impl RecvHalf for DirectReceiver {
                     }
                 }
                 sh.fail(e, tell_peer);
-                self.end(End::Failed)
+                end_stream(done, sh, End::Failed)
             }
             Poll::Pending => {
                 // Registered with the socket: the flusher leaves reading to us meanwhile (and
