@@ -851,7 +851,19 @@ impl ReadState {
 fn recv(stream: &TcpStream, buf: &mut BytesMut, most: usize, direct: bool) -> io::Result<usize> {
     use bytes::BufMut;
     if !direct {
-        return stream.try_read_buf(&mut buf.limit(most));
+        let asked = (buf.capacity() - buf.len()).min(most);
+        let n = stream.try_read_buf(&mut buf.limit(most))?;
+        if n > 0 && n < asked {
+            // A short read emptied the socket: forget tokio's readiness now (no system call),
+            // so that the next read waits for epoll instead of asking the kernel only to hear
+            // `EAGAIN` (a `recvfrom` per message in a ping-pong). What arrives from here on is
+            // a new edge: epoll reports it, and the readiness comes back. (tokio's own
+            // `AsyncRead` for `TcpStream` does the same after a short read.)
+            let _ = stream.try_io(tokio::io::Interest::READABLE, || {
+                Err::<(), _>(io::Error::from(io::ErrorKind::WouldBlock))
+            });
+        }
+        return Ok(n);
     }
     let spare = buf.spare_capacity_mut();
     let take = spare.len().min(most);
