@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context as TaskContext, Poll};
 
 use crossbeam_utils::CachePadded;
+use std::future::Future;
 use futures_core::Stream;
 use futures_sink::Sink;
 use futures_util::future::poll_fn;
@@ -406,8 +407,10 @@ impl Channel {
     }
 
     /// See [`Sender::send`].
-    pub async fn send(&mut self, msg: Message) -> Result<()> {
-        self.tx.send(msg).await
+    // The Sender's future itself, not one around it: an `async fn` here would move the
+    // message (and the result) once more per call.
+    pub fn send(&mut self, msg: Message) -> impl Future<Output = Result<()>> + Send + '_ {
+        self.tx.send(msg)
     }
 
     /// See [`Sender::alloc`].
@@ -426,8 +429,8 @@ impl Channel {
     }
 
     /// See [`Receiver::recv`].
-    pub async fn recv(&mut self) -> Option<Result<Message>> {
-        self.rx.recv().await
+    pub fn recv(&mut self) -> impl Future<Output = Option<Result<Message>>> + Send + '_ {
+        self.rx.recv()
     }
 }
 
@@ -725,8 +728,9 @@ impl Receiver {
     ///
     /// # Cancel safety
     /// Cancel safe: a message is taken from the queue only when the future completes.
-    pub async fn recv(&mut self) -> Option<Result<Message>> {
-        poll_fn(|cx| self.poll_recv_inner(cx)).await
+    pub fn recv(&mut self) -> impl Future<Output = Option<Result<Message>>> + Send + '_ {
+        // The poll function as it is: an `async fn` around it moved each message once more.
+        poll_fn(move |cx| self.poll_recv_inner(cx))
     }
 
     /// Spends the task's tokio budget, a unit every [`COOP_EVERY`] receives: a loop that
