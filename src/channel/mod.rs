@@ -17,11 +17,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context as TaskContext, Poll};
 
 use crossbeam_utils::CachePadded;
-use std::future::Future;
 use futures_core::Stream;
 use futures_sink::Sink;
 use futures_util::future::poll_fn;
 use futures_util::task::noop_waker_ref;
+use std::future::Future;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::message::Limits;

@@ -848,26 +848,44 @@ impl ReadState {
 /// `direct`: a `recv` system call whatever tokio's readiness says. tokio answers
 /// `WouldBlock` without asking the kernel once a read found the socket empty, until its
 /// reactor polls epoll again; a busy-polling receiver must ask the kernel itself.
+///
+/// Otherwise the read runs inside `try_io`, and a short read (less than it asked for: the
+/// socket is empty) clears tokio's readiness, as tokio's own `AsyncRead` for `TcpStream`
+/// does: the next read then waits for epoll instead of asking the kernel only to hear
+/// `EAGAIN` (a `recvfrom` per message in a ping-pong). `try_io` takes its snapshot of the
+/// readiness *before* the read and clears only that one, so data that arrives after the
+/// read is a newer event (on a multi-thread runtime the reactor may record it meanwhile)
+/// and is not forgotten. (Clearing after the read, with a second `try_io`, lost such an
+/// event: a stalled transfer on a multi-thread runtime, tests/channel.rs.)
 fn recv(stream: &TcpStream, buf: &mut BytesMut, most: usize, direct: bool) -> io::Result<usize> {
     use bytes::BufMut;
-    if !direct {
-        let asked = (buf.capacity() - buf.len()).min(most);
-        let n = stream.try_read_buf(&mut buf.limit(most))?;
-        if n > 0 && n < asked {
-            // A short read emptied the socket: forget tokio's readiness now (no system call),
-            // so that the next read waits for epoll instead of asking the kernel only to hear
-            // `EAGAIN` (a `recvfrom` per message in a ping-pong). What arrives from here on is
-            // a new edge: epoll reports it, and the readiness comes back. (tokio's own
-            // `AsyncRead` for `TcpStream` does the same after a short read.)
-            let _ = stream.try_io(tokio::io::Interest::READABLE, || {
-                Err::<(), _>(io::Error::from(io::ErrorKind::WouldBlock))
-            });
-        }
-        return Ok(n);
+    if buf.capacity() == buf.len() {
+        // Callers reserve before reading; never hand `recv` an empty buffer (0 is EOF).
+        buf.reserve(4096);
     }
     let spare = buf.spare_capacity_mut();
     let take = spare.len().min(most);
-    let n = SockRef::from(stream).recv(&mut spare[..take])?;
+    let mut read = || SockRef::from(stream).recv(&mut spare[..take]);
+    let n = if direct {
+        read()?
+    } else {
+        let mut short = 0;
+        let r = stream.try_io(tokio::io::Interest::READABLE, || {
+            let n = read()?;
+            if n > 0 && n < take {
+                // Read, and the socket is empty: `WouldBlock` tells `try_io` to clear the
+                // readiness it saw before the read; the bytes are returned below.
+                short = n;
+                return Err(io::Error::from(io::ErrorKind::WouldBlock));
+            }
+            Ok(n)
+        });
+        match r {
+            Ok(n) => n,
+            Err(_) if short > 0 => short,
+            Err(e) => return Err(e),
+        }
+    };
     // SAFETY: `recv` initialised the first `n` bytes of the spare capacity (it returns how
     // many it wrote, at most the length it was given).
     unsafe { buf.advance_mut(n) };
