@@ -45,6 +45,10 @@ impl Batch {
     /// Appends `msg`'s frame. Limits are the caller's business (see
     /// [`Limits::check`](super::Limits::check)); the type and metadata lengths fit their
     /// fields by construction.
+    // Inlined into the transports' `start_send`: called out of line, the message was copied
+    // into the argument first, and that 16-byte copy of a header just written with narrower
+    // stores stalled on store forwarding (a third of `start_send`'s samples in `perf`).
+    #[inline]
     pub fn push_message(&mut self, msg: Message) {
         let head = FrameHead::for_message(&msg);
         let (kind, meta, body, _) = msg.into_parts();
