@@ -859,7 +859,11 @@ impl ReadState {
 /// readiness *before* the read and clears only that one, so data that arrives after the
 /// read is a newer event (on a multi-thread runtime the reactor may record it meanwhile)
 /// and is not forgotten. (Clearing after the read, with a second `try_io`, lost such an
-/// event: a stalled transfer on a multi-thread runtime, tests/channel.rs.)
+/// event: a stalled transfer on a multi-thread runtime, tests/channel.rs.) `try_io`'s docs
+/// ask for `WouldBlock` only when the I/O itself would block; answering it after a short
+/// read relies on what `try_io` does with it (clear the snapshot's readiness, and nothing
+/// else), which is what tokio's own `PollEvented::poll_read` (`src/io/poll_evented.rs`,
+/// tokio 1.x) does on `0 < n < len`.
 fn recv(stream: &TcpStream, buf: &mut BytesMut, most: usize, direct: bool) -> io::Result<usize> {
     use bytes::BufMut;
     if buf.capacity() == buf.len() {
