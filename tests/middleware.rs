@@ -1359,6 +1359,49 @@ async fn sender_call_without_poll_ready_hands_the_message_back() {
     assert!(tokio_test_sender_ready(&mut tx).is_pending());
 }
 
+/// The room a ready `poll_ready` found is the next `call`'s, unless another send takes it
+/// first: then `call` asks the transport again and, the queue being full, hands the message
+/// back instead of overfilling it.
+#[tokio::test]
+async fn sender_reservation_taken_by_another_send_is_not_used_twice() {
+    let (_ctx, c, _s) = pair_with(T::Inproc, small_queues()).await;
+    let (mut tx, _rx) = c.split();
+    // How many messages the queues hold (nobody reads), found on a first pair.
+    let mut n = 0;
+    while tx.try_send(m("x.fill")).is_ok() {
+        n += 1;
+        assert!(n < 100);
+    }
+    // On a second pair, all but one place filled through poll_ready and call.
+    let (_ctx, c, _s) = pair_with(T::Inproc, small_queues()).await;
+    let (mut tx, _rx) = c.split();
+    for _ in 0..n - 1 {
+        assert!(tokio_test_sender_ready(&mut tx).is_ready());
+        tx.call(m("x.fill")).await.unwrap();
+    }
+    // One place left: reserved by poll_ready, then taken by try_send.
+    assert!(matches!(
+        tokio_test_sender_ready(&mut tx),
+        Poll::Ready(Ok(()))
+    ));
+    tx.try_send(m("x.other")).unwrap();
+    let mut err = tx.call(m("x.late")).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Full);
+    assert_eq!(err.take_message().unwrap().kind(), "x.late");
+    assert!(tokio_test_sender_ready(&mut tx).is_pending());
+
+    // Nor does a reservation outlive closing the direction.
+    let (_ctx, c, _s) = pair_with(T::Inproc, small_queues()).await;
+    let (mut tx, _rx) = c.split();
+    assert!(matches!(
+        tokio_test_sender_ready(&mut tx),
+        Poll::Ready(Ok(()))
+    ));
+    tx.close().await.unwrap();
+    let mut err = tx.call(m("x.after")).await.unwrap_err();
+    assert_eq!(err.take_message().unwrap().kind(), "x.after");
+}
+
 fn tokio_test_sender_ready(tx: &mut hyperframes::Sender) -> Poll<hyperframes::Result<()>> {
     let waker = futures_util::task::noop_waker();
     let mut cx = std::task::Context::from_waker(&waker);

@@ -311,6 +311,9 @@ pub struct Channel {
 pub struct Sender {
     half: Box<dyn SendHalf>,
     info: Arc<ChannelInfo>,
+    /// Room found by the `tower::Service` readiness and not used since: the next
+    /// `Service::call` hands its message over without asking the transport again.
+    pub(crate) reserved: bool,
     #[cfg(feature = "cuda")]
     stage: device::Stage,
 }
@@ -378,6 +381,7 @@ impl Channel {
             tx: Sender {
                 half: parts.tx,
                 info: info.clone(),
+                reserved: false,
                 #[cfg(feature = "cuda")]
                 stage: device::Stage::new(&parts.setup),
             },
@@ -442,6 +446,8 @@ impl Sender {
     }
 
     fn start_send_inner(&mut self, msg: Message) -> Result<()> {
+        // Whichever way it came, this message takes the room a reservation saw.
+        self.reserved = false;
         if msg
             .header()
             .flags
@@ -513,6 +519,8 @@ impl Sender {
     }
 
     fn poll_close_inner(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<()>> {
+        // A closed direction has no room for anyone.
+        self.reserved = false;
         #[cfg(feature = "cuda")]
         std::task::ready!(self.stage.poll_drive(&mut *self.half, cx))?;
         self.half.poll_close(cx)
@@ -599,31 +607,35 @@ impl Sender {
     pub fn try_send(&mut self, msg: Message) -> Result<()> {
         let mut cx = TaskContext::from_waker(noop_waker_ref());
         match self.poll_ready_inner(&mut cx) {
-            Poll::Ready(Ok(())) => {
-                self.start_send_inner(msg)?;
-                match self.half.poll_submit(&mut cx) {
-                    Poll::Ready(r) => r,
-                    // Accepted but not handed over (a shared-memory arena without room): take
-                    // it back rather than leave it waiting for a later call.
-                    Poll::Pending => match self.half.unstage() {
-                        Some(m) => {
-                            self.info.sent.undo(m.body().len() as u64);
-                            Err(Error::new(
-                                ErrorKind::Full,
-                                format!("no room for the message to {} now", self.info.peer),
-                            )
-                            .with_message(m))
-                        }
-                        None => Ok(()),
-                    },
-                }
-            }
+            Poll::Ready(Ok(())) => self.send_now(msg),
             Poll::Ready(Err(e)) => Err(e.with_message(msg)),
             Poll::Pending => Err(Error::new(
                 ErrorKind::Full,
                 format!("the send queue to {} is full", self.info.peer),
             )
             .with_message(msg)),
+        }
+    }
+
+    /// [`try_send`](Self::try_send) once the half has said it has room.
+    pub(crate) fn send_now(&mut self, msg: Message) -> Result<()> {
+        let mut cx = TaskContext::from_waker(noop_waker_ref());
+        self.start_send_inner(msg)?;
+        match self.half.poll_submit(&mut cx) {
+            Poll::Ready(r) => r,
+            // Accepted but not handed over (a shared-memory arena without room): take it
+            // back rather than leave it waiting for a later call.
+            Poll::Pending => match self.half.unstage() {
+                Some(m) => {
+                    self.info.sent.undo(m.body().len() as u64);
+                    Err(Error::new(
+                        ErrorKind::Full,
+                        format!("no room for the message to {} now", self.info.peer),
+                    )
+                    .with_message(m))
+                }
+                None => Ok(()),
+            },
         }
     }
 

@@ -23,7 +23,12 @@ use crate::message::Message;
 /// A `Sender` has one producer (itself), and only the transport's consumer changes its queue
 /// while it waits, by freeing room. So the room `poll_ready` found is still there at `call`:
 /// the reservation holds no resource and needs no release — dropping the service, or never
-/// calling, after `poll_ready` costs nothing (tower#408's "disarm" is a no-op here).
+/// calling, after `poll_ready` costs nothing (tower#408's "disarm" is a no-op here). So the
+/// `call` after a ready `poll_ready` does not ask the transport for room a second time; a
+/// message sent any other way in between (`send`, `try_send`, the `Sink`), or closing,
+/// cancels the reservation. A peer that goes away between `poll_ready` and `call` is
+/// reported by the next `poll_ready`, as for a message handed over just before it went
+/// (the same as the `Sink`'s `poll_ready` and `start_send`).
 ///
 /// Tower's contract is to call `poll_ready` before each `call`. A `call` without it does not
 /// panic and loses nothing: it checks for room again and, if there is none, fails with
@@ -38,11 +43,19 @@ impl Service<Message> for Sender {
 
     #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
-        self.poll_ready_inner(cx)
+        let ready = self.poll_ready_inner(cx);
+        self.reserved = matches!(ready, Poll::Ready(Ok(())));
+        ready
     }
 
+    /// With the room `poll_ready` found (see [Reservation](#reservation)), the message goes
+    /// straight to the transport; without it, `call` asks for room first, as `try_send` does.
     #[inline]
     fn call(&mut self, msg: Message) -> Self::Future {
-        ready(self.try_send(msg))
+        ready(if std::mem::take(&mut self.reserved) {
+            self.send_now(msg)
+        } else {
+            self.try_send(msg)
+        })
     }
 }
