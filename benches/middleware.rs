@@ -18,7 +18,14 @@
 //! * `sender_service` — the `Sender` as a `tower::Service` (`ready` + `call`), no layers;
 //! * `layers_send` — `TypeFilterLayer` (three patterns) + `MetaSchemaLayer` (two keys with
 //!   value rules, type naming) around the `Sender`;
+//! * `services_both` — the `Sender` as a service, and the receiver handing each message to
+//!   its handler (`ready` + `call`), no layers;
 //! * `layers_both` — the same stack around the sender and around the receiver's handler.
+//!
+//! The goals are ratios to `bare_channel`, whose receiver only counts. The summary also
+//! prints each stack's ratio to the same services without layers (`layers_send` to
+//! `sender_service`, `layers_both` to `services_both`): the layers' own share, apart from
+//! what handing each received message to a handler costs at all.
 //!
 //! A second group, `middleware_alone`, runs the layers around a service that takes the
 //! message and answers at once (no channel): `noop` alone, then `type_filter`, `meta_schema`
@@ -201,11 +208,11 @@ async fn bare_receiver(mut rx: Receiver, acks: mpsc::UnboundedSender<u64>) {
     }
 }
 
-async fn layered_receiver(mut rx: Receiver, acks: mpsc::UnboundedSender<u64>) {
-    let mut handler = ServiceBuilder::new()
-        .layer(filter())
-        .layer(schema())
-        .service(Swallow);
+/// Hands every message but the end marker to `handler` (ready, call, await), counting them.
+async fn handing_receiver<H>(mut rx: Receiver, acks: mpsc::UnboundedSender<u64>, mut handler: H)
+where
+    H: Service<Message, Response = Option<Message>, Error = BoxError>,
+{
     let mut n = 0;
     while let Some(msg) = rx.recv().await {
         let msg = msg.unwrap();
@@ -219,17 +226,34 @@ async fn layered_receiver(mut rx: Receiver, acks: mpsc::UnboundedSender<u64>) {
     }
 }
 
-async fn channel(layered_rx: bool) -> (Context, Sender, mpsc::UnboundedReceiver<u64>) {
+/// What the receiving end of a channel case does with each message.
+#[derive(Clone, Copy)]
+enum Rx {
+    /// Counts it (`bare_receiver`).
+    Bare,
+    /// Hands it to the handler, no layers.
+    Handler,
+    /// Hands it to the handler through the stack.
+    Layered,
+}
+
+async fn channel(rx_kind: Rx) -> (Context, Sender, mpsc::UnboundedReceiver<u64>) {
     let ctx = Context::new();
     let (c, s) = pair(&ctx).await;
     let (tx, _) = c.split();
     let (_, rx) = s.split();
     let (ack_tx, ack_rx) = mpsc::unbounded_channel();
-    if layered_rx {
-        tokio::spawn(layered_receiver(rx, ack_tx));
-    } else {
-        tokio::spawn(bare_receiver(rx, ack_tx));
-    }
+    match rx_kind {
+        Rx::Bare => tokio::spawn(bare_receiver(rx, ack_tx)),
+        Rx::Handler => tokio::spawn(handing_receiver(rx, ack_tx, Swallow)),
+        Rx::Layered => {
+            let stack = ServiceBuilder::new()
+                .layer(filter())
+                .layer(schema())
+                .service(Swallow);
+            tokio::spawn(handing_receiver(rx, ack_tx, stack))
+        }
+    };
     (ctx, tx, ack_rx)
 }
 
@@ -295,7 +319,7 @@ fn main() {
     let mut cases: Vec<(&'static str, &'static str, Case<'_>)> = Vec::new();
 
     {
-        let (ctx, mut tx, mut acks) = rt.block_on(channel(false));
+        let (ctx, mut tx, mut acks) = rt.block_on(channel(Rx::Bare));
         let msg = message();
         cases.push((
             GROUP,
@@ -314,19 +338,19 @@ fn main() {
             }),
         ));
     }
-    {
-        let (ctx, mut tx, mut acks) = rt.block_on(channel(false));
+    for (name, rx_kind) in [("sender_service", Rx::Bare), ("services_both", Rx::Handler)] {
+        let (ctx, mut tx, mut acks) = rt.block_on(channel(rx_kind));
         cases.push((
             GROUP,
-            "sender_service",
+            name,
             Box::new(move |n| {
                 let _keep = &ctx;
                 rt.block_on(through_service(&mut tx, &mut acks, n))
             }),
         ));
     }
-    for (name, layered_rx) in [("layers_send", false), ("layers_both", true)] {
-        let (ctx, tx, mut acks) = rt.block_on(channel(layered_rx));
+    for (name, rx_kind) in [("layers_send", Rx::Bare), ("layers_both", Rx::Layered)] {
+        let (ctx, tx, mut acks) = rt.block_on(channel(rx_kind));
         let mut svc = ServiceBuilder::new()
             .layer(filter())
             .layer(schema())
@@ -480,6 +504,12 @@ fn main() {
         let (lo, hi) = ratios
             .iter()
             .fold((f64::MAX, f64::MIN), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
+        // The layers' own share: each stack against the same services without layers.
+        let without = match *case {
+            "layers_send" => Some("sender_service"),
+            "layers_both" => Some("services_both"),
+            _ => None,
+        };
         let extra = if *group == ALONE {
             let diffs = per_case[i]
                 .iter()
@@ -487,6 +517,17 @@ fn main() {
                 .map(|(x, y)| x - y)
                 .collect();
             format!("  +{:.1} ns", median(diffs))
+        } else if let Some(w) = without {
+            let w = cases
+                .iter()
+                .position(|(g, c, _)| g == group && *c == w)
+                .expect("the case without layers");
+            let ratios = per_case[i]
+                .iter()
+                .zip(&per_case[w])
+                .map(|(x, y)| x / y)
+                .collect();
+            format!("  {:.3} to {}", median(ratios), cases[w].1)
         } else {
             String::new()
         };
