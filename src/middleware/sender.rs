@@ -52,10 +52,17 @@ impl Service<Message> for Sender {
     /// straight to the transport; without it, `call` asks for room first, as `try_send` does.
     #[inline]
     fn call(&mut self, msg: Message) -> Self::Future {
-        ready(if std::mem::take(&mut self.reserved) {
-            self.send_now(msg)
-        } else {
-            self.try_send(msg)
-        })
+        ready(send_reserved(self, msg))
+    }
+}
+
+/// Hands `msg` over with the room the `Service` readiness reserved, or, without a
+/// reservation, as [`Sender::try_send`] does.
+#[inline]
+pub(crate) fn send_reserved(tx: &mut Sender, msg: Message) -> Result<(), Error> {
+    if std::mem::take(&mut tx.reserved) {
+        tx.send_now(msg)
+    } else {
+        tx.try_send(msg)
     }
 }

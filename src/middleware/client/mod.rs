@@ -637,7 +637,9 @@ impl Service<Message> for Client {
             }
             self.reserved = true;
         }
-        self.tx.poll_ready_inner(cx)
+        // Through the Sender's own `Service` readiness, so that the room found here is the
+        // next `call`'s (see the `Sender`'s reservation).
+        Service::<Message>::poll_ready(&mut self.tx, cx)
     }
 
     fn call(&mut self, mut msg: Message) -> ResponseFuture {
@@ -676,7 +678,7 @@ impl Service<Message> for Client {
             );
         }
         slot.id = Some(id);
-        if let Err(e) = self.tx.try_send(msg) {
+        if let Err(e) = crate::middleware::sender::send_reserved(&mut self.tx, msg) {
             return ResponseFuture::failed(e);
         }
         ResponseFuture::waiting(slot)
