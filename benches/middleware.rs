@@ -27,6 +27,15 @@
 //! `sender_service`, `layers_both` to `services_both`): the layers' own share, apart from
 //! what handing each received message to a handler costs at all.
 //!
+//! Two floors, the same two-layer stacks with layers that check nothing, so that the stack's
+//! cost splits into what any two layers cost and what the filter's and the schema's work adds:
+//!
+//! * `pass_send`, `pass_both` — two layers whose `call` hands the message to the inner
+//!   service and returns its future as it is (the cost of tower's layering alone);
+//! * `wrap_send`, `wrap_both` — two layers that do what every layer with a refusal must: test
+//!   a flag (always false here) and wrap the inner future in their own (the inner future with
+//!   its error boxed, or a refusal), the shape of `MetaSchema`'s response future.
+//!
 //! A second group, `middleware_alone`, runs the layers around a service that takes the
 //! message and answers at once (no channel): `noop` alone, then `type_filter`, `meta_schema`
 //! and both, so the summary shows each layer's own cost in nanoseconds.
@@ -46,8 +55,10 @@
 //!   the same handler behind `tower::buffer::Buffer` (a channel to its worker task, a
 //!   oneshot back), no hyperframes channel at all.
 
-use std::future::{Ready, ready};
+use std::future::{Future, Ready, ready};
 use std::hint::black_box;
+use std::marker::PhantomData;
+use std::pin::Pin;
 use std::task::{Context as TaskContext, Poll};
 use std::time::{Duration, Instant};
 
@@ -56,6 +67,7 @@ use hyperframes::middleware::{
     BoxError, Client, MetaSchema, MetaSchemaLayer, TypeFilterLayer, Value, serve_channel,
 };
 use hyperframes::{Context, Flags, Header, Message, Receiver, Sender};
+use pin_project_lite::pin_project;
 use tokio::sync::mpsc;
 use tower::{Layer, Service, ServiceBuilder, ServiceExt, service_fn};
 
@@ -109,6 +121,103 @@ impl Service<Message> for Swallow {
     fn call(&mut self, msg: Message) -> Self::Future {
         black_box(&msg);
         ready(Ok(None))
+    }
+}
+
+/// A layer that checks nothing (`pass_*`, `wrap_*`): `W` says how its service answers.
+struct Floor<W>(PhantomData<W>);
+
+impl<W> Floor<W> {
+    fn new() -> Self {
+        Floor(PhantomData)
+    }
+}
+
+impl<S, W> Layer<S> for Floor<W> {
+    type Service = FloorService<S, W>;
+    fn layer(&self, inner: S) -> Self::Service {
+        FloorService {
+            inner,
+            refuse: false,
+            answer: PhantomData,
+        }
+    }
+}
+
+struct FloorService<S, W> {
+    inner: S,
+    /// Always false; read at every call, as a filter reads its decision.
+    refuse: bool,
+    answer: PhantomData<W>,
+}
+
+/// Hands the message on and returns the inner service's future as it is.
+struct Pass;
+/// Wraps the inner service's future, as a layer that may refuse must.
+struct Wrap;
+
+impl<S: Service<Message>> Service<Message> for FloorService<S, Pass> {
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, msg: Message) -> S::Future {
+        self.inner.call(msg)
+    }
+}
+
+impl<S> Service<Message> for FloorService<S, Wrap>
+where
+    S: Service<Message>,
+    S::Error: Into<BoxError>,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = Wrapped<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, msg: Message) -> Self::Future {
+        if self.refuse {
+            return Wrapped::Refused {
+                error: Some("refused".into()),
+            };
+        }
+        Wrapped::Inner {
+            future: self.inner.call(msg),
+        }
+    }
+}
+
+pin_project! {
+    /// The response future of a [`Wrap`] floor layer: the inner one, or a refusal.
+    #[project = WrappedProj]
+    enum Wrapped<F> {
+        Inner { #[pin] future: F },
+        Refused { error: Option<BoxError> },
+    }
+}
+
+impl<F, T, E> Future for Wrapped<F>
+where
+    F: Future<Output = Result<T, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<T, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            WrappedProj::Inner { future } => future.poll(cx).map_err(Into::into),
+            WrappedProj::Refused { error } => {
+                Poll::Ready(Err(error.take().expect("polled after completion")))
+            }
+        }
     }
 }
 
@@ -235,6 +344,10 @@ enum Rx {
     Handler,
     /// Hands it to the handler through the stack.
     Layered,
+    /// Hands it to the handler through two [`Pass`] floor layers.
+    Passed,
+    /// Hands it to the handler through two [`Wrap`] floor layers.
+    Wrapped,
 }
 
 async fn channel(rx_kind: Rx) -> (Context, Sender, mpsc::UnboundedReceiver<u64>) {
@@ -253,8 +366,24 @@ async fn channel(rx_kind: Rx) -> (Context, Sender, mpsc::UnboundedReceiver<u64>)
                 .service(Swallow);
             tokio::spawn(handing_receiver(rx, ack_tx, stack))
         }
+        Rx::Passed => {
+            let stack = floors::<Pass, _>(Swallow);
+            tokio::spawn(handing_receiver(rx, ack_tx, stack))
+        }
+        Rx::Wrapped => {
+            let stack = floors::<Wrap, _>(Swallow);
+            tokio::spawn(handing_receiver(rx, ack_tx, stack))
+        }
     };
     (ctx, tx, ack_rx)
+}
+
+/// Two floor layers of kind `W` around `svc`, as the stack has two layers.
+fn floors<W, S>(svc: S) -> FloorService<FloorService<S, W>, W> {
+    ServiceBuilder::new()
+        .layer(Floor::<W>::new())
+        .layer(Floor::<W>::new())
+        .service(svc)
 }
 
 async fn through_service<S>(
@@ -307,6 +436,24 @@ where
     Box::new(move |n| rt.block_on(alone(&mut svc, n)))
 }
 
+/// A channel case: messages through `stack` around the `Sender`, to a receiver of `rx_kind`.
+fn channel_case<S>(
+    rt: &tokio::runtime::Runtime,
+    rx_kind: Rx,
+    stack: impl FnOnce(Sender) -> S,
+) -> Case<'_>
+where
+    S: Service<Message, Response = ()> + 'static,
+    S::Error: std::fmt::Debug,
+{
+    let (ctx, tx, mut acks) = rt.block_on(channel(rx_kind));
+    let mut svc = stack(tx);
+    Box::new(move |n| {
+        let _keep = &ctx;
+        rt.block_on(through_service(&mut svc, &mut acks, n))
+    })
+}
+
 /// Messages per case and round in the summary: 10 to 300 ms each.
 const ROUND_ITEMS: u64 = 200_000;
 
@@ -338,31 +485,27 @@ fn main() {
             }),
         ));
     }
-    for (name, rx_kind) in [("sender_service", Rx::Bare), ("services_both", Rx::Handler)] {
-        let (ctx, mut tx, mut acks) = rt.block_on(channel(rx_kind));
-        cases.push((
-            GROUP,
-            name,
-            Box::new(move |n| {
-                let _keep = &ctx;
-                rt.block_on(through_service(&mut tx, &mut acks, n))
-            }),
-        ));
-    }
-    for (name, rx_kind) in [("layers_send", Rx::Bare), ("layers_both", Rx::Layered)] {
-        let (ctx, tx, mut acks) = rt.block_on(channel(rx_kind));
-        let mut svc = ServiceBuilder::new()
+    let stack = |tx: Sender| {
+        ServiceBuilder::new()
             .layer(filter())
             .layer(schema())
-            .service(tx);
-        cases.push((
-            GROUP,
-            name,
-            Box::new(move |n| {
-                let _keep = &ctx;
-                rt.block_on(through_service(&mut svc, &mut acks, n))
-            }),
-        ));
+            .service(tx)
+    };
+    for (name, case) in [
+        ("sender_service", channel_case(rt, Rx::Bare, |tx| tx)),
+        ("services_both", channel_case(rt, Rx::Handler, |tx| tx)),
+        ("layers_send", channel_case(rt, Rx::Bare, stack)),
+        ("layers_both", channel_case(rt, Rx::Layered, stack)),
+        // The floors: the same cases with layers that check nothing.
+        ("pass_send", channel_case(rt, Rx::Bare, floors::<Pass, _>)),
+        ("pass_both", channel_case(rt, Rx::Passed, floors::<Pass, _>)),
+        ("wrap_send", channel_case(rt, Rx::Bare, floors::<Wrap, _>)),
+        (
+            "wrap_both",
+            channel_case(rt, Rx::Wrapped, floors::<Wrap, _>),
+        ),
+    ] {
+        cases.push((GROUP, name, case));
     }
 
     let stack = ServiceBuilder::new()
@@ -506,8 +649,8 @@ fn main() {
             .fold((f64::MAX, f64::MIN), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
         // The layers' own share: each stack against the same services without layers.
         let without = match *case {
-            "layers_send" => Some("sender_service"),
-            "layers_both" => Some("services_both"),
+            "layers_send" | "pass_send" | "wrap_send" => Some("sender_service"),
+            "layers_both" | "pass_both" | "wrap_both" => Some("services_both"),
             _ => None,
         };
         let extra = if *group == ALONE {
