@@ -69,6 +69,7 @@ use hyperframes::middleware::{
 use hyperframes::{Context, Flags, Header, Message, Receiver, Sender};
 use pin_project_lite::pin_project;
 use tokio::sync::mpsc;
+use tower::layer::util::{Identity, Stack};
 use tower::{Layer, Service, ServiceBuilder, ServiceExt, service_fn};
 
 const GROUP: &str = "middleware_inproc_64B";
@@ -359,23 +360,16 @@ async fn channel(rx_kind: Rx) -> (Context, Sender, mpsc::UnboundedReceiver<u64>)
     match rx_kind {
         Rx::Bare => tokio::spawn(bare_receiver(rx, ack_tx)),
         Rx::Handler => tokio::spawn(handing_receiver(rx, ack_tx, Swallow)),
-        Rx::Layered => {
-            let stack = ServiceBuilder::new()
-                .layer(filter())
-                .layer(schema())
-                .service(Swallow);
-            tokio::spawn(handing_receiver(rx, ack_tx, stack))
-        }
-        Rx::Passed => {
-            let stack = floors::<Pass, _>(Swallow);
-            tokio::spawn(handing_receiver(rx, ack_tx, stack))
-        }
-        Rx::Wrapped => {
-            let stack = floors::<Wrap, _>(Swallow);
-            tokio::spawn(handing_receiver(rx, ack_tx, stack))
-        }
+        Rx::Layered => tokio::spawn(handing_receiver(rx, ack_tx, guard().service(Swallow))),
+        Rx::Passed => tokio::spawn(handing_receiver(rx, ack_tx, floors::<Pass, _>(Swallow))),
+        Rx::Wrapped => tokio::spawn(handing_receiver(rx, ack_tx, floors::<Wrap, _>(Swallow))),
     };
     (ctx, tx, ack_rx)
+}
+
+/// The stack the goals are about: the filter outside, the schema inside.
+fn guard() -> ServiceBuilder<Stack<MetaSchemaLayer, Stack<TypeFilterLayer, Identity>>> {
+    ServiceBuilder::new().layer(filter()).layer(schema())
 }
 
 /// Two floor layers of kind `W` around `svc`, as the stack has two layers.
@@ -485,12 +479,7 @@ fn main() {
             }),
         ));
     }
-    let stack = |tx: Sender| {
-        ServiceBuilder::new()
-            .layer(filter())
-            .layer(schema())
-            .service(tx)
-    };
+    let stack = |tx: Sender| guard().service(tx);
     for (name, case) in [
         ("sender_service", channel_case(rt, Rx::Bare, |tx| tx)),
         ("services_both", channel_case(rt, Rx::Handler, |tx| tx)),
@@ -508,10 +497,7 @@ fn main() {
         cases.push((GROUP, name, case));
     }
 
-    let stack = ServiceBuilder::new()
-        .layer(filter())
-        .layer(schema())
-        .service(Take);
+    let stack = guard().service(Take);
     for (name, case) in [
         ("noop", alone_case(rt, Take)),
         ("type_filter", alone_case(rt, filter().layer(Take))),
