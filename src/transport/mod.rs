@@ -35,10 +35,11 @@ pub(crate) mod shm;
 #[cfg(feature = "tcp")]
 pub(crate) mod tcp;
 
-/// How long a side waiting for its peer (data or room, `shm://` and `inproc://`) spins before
-/// it parks: long enough to catch a reply in a request/response exchange (a round trip is a
-/// microsecond or two) without sleeping, short enough not to burn a core on an idle channel.
-#[cfg(any(feature = "shm", feature = "inproc"))]
+/// How long a side waiting for its peer (data or room on `shm://` and `inproc://`, data on
+/// `tcp://`'s inline engine) spins before it parks: long enough to catch a reply in a
+/// request/response exchange (a round trip is a microsecond or two in memory, a few over
+/// loopback TCP) without sleeping, short enough not to burn a core on an idle channel.
+#[cfg(any(feature = "shm", feature = "inproc", feature = "tcp"))]
 pub(crate) const SPIN: Duration = Duration::from_micros(20);
 
 /// Checks `ready` in a loop for at most `limit`; `Ok(true)` as soon as it says yes, its
