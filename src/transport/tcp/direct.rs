@@ -676,20 +676,26 @@ pub(super) struct ReadState {
 /// and wake-up of a parked thread on both sides (the cost that set a 64 B ping-pong's
 /// latency: ~30 µs of wake-up against a few µs of system calls on the measured host).
 ///
-/// Adaptive, so that connections that are mostly idle do not burn a core: a spin that finds
-/// nothing costs a credit; a wait that ends within [`SPIN_WINDOW`] (the peer answers at a
-/// request/response pace, whether the spin caught it or a wake-up did) restores them all.
-/// With no credit left the Receiver parks at once, until a wait is short again. A server
-/// whose clients are quiet for longer than the window spins [`SPIN_CREDIT`] times per
-/// client, then not at all.
+/// Only for an answer: the Receiver spins when its connection wrote something since its
+/// last wait; one that only receives (a stream) parks, so that the sender's writes gather in
+/// the socket and are read a batch at a time.
+///
+/// Adaptive, so that spins that do not pay stop: a spin that finds nothing costs one of
+/// [`SPIN_CREDIT`] credits, a spin that catches the answer restores them all. With none
+/// left the Receiver parks at once, and tries a spin again after 1, 2, 4 .. [`SPIN_BACKOFF`]
+/// waits (back to full credit if that try catches the answer). So an idle client of a
+/// server, or a peer on the same runtime thread (which cannot answer while this thread
+/// spins), costs one spin per [`SPIN_BACKOFF`] waits once the credit is spent.
 struct Spin {
-    /// Spins left before the Receiver stops spinning.
+    /// Spins left that may find nothing.
     credit: u8,
-    /// What a short wait restores: [`SPIN_CREDIT`], or 0 where spinning does not pay.
+    /// What a spin that catches the answer restores: [`SPIN_CREDIT`], or 0 where spinning
+    /// does not pay.
     full: u8,
-    /// When the current wait began (the socket was first found empty); `None` while data
-    /// flows.
-    since: Option<Instant>,
+    /// Without credit: answer waits to park through before the next try.
+    skip: u8,
+    /// Without credit: the waits between tries, doubled by each try that finds nothing.
+    backoff: u8,
     /// The connection's bytes written when the Receiver last decided whether to spin.
     sent: u64,
 }
@@ -722,8 +728,8 @@ const SPIN_GAP: Duration = Duration::from_micros(1);
 
 /// Spins that find nothing before the Receiver parks at once.
 const SPIN_CREDIT: u8 = 3;
-/// A wait at most this long counts as request/response pace and restores the credit.
-const SPIN_WINDOW: Duration = Duration::from_micros(200);
+/// Without credit, at most this many answer waits go by between two tries.
+const SPIN_BACKOFF: u8 = 64;
 
 impl Spin {
     fn new(on: bool) -> Spin {
@@ -731,34 +737,46 @@ impl Spin {
         Spin {
             credit: full,
             full,
-            since: None,
+            skip: 0,
+            backoff: 0,
             sent: 0,
         }
     }
 
-    /// Whether to spin in the wait that begins: with credit, and only for an answer: when
-    /// this connection wrote something since the last wait (`written`: its bytes written).
-    /// A receiver that only receives (a stream) parks, so that the sender's writes gather
-    /// in the socket and are read a batch at a time.
+    /// Whether to spin in the wait that begins (`written`: the connection's bytes written).
     fn pays(&mut self, written: u64) -> bool {
         let answer = written != self.sent;
         self.sent = written;
-        answer && self.credit > 0
-    }
-
-    /// The socket was found empty by a Receiver that will wait.
-    fn waiting(&mut self, now: Instant) {
-        self.since.get_or_insert(now);
-    }
-
-    /// Bytes arrived: a short wait (spun through or slept) restores the credit.
-    fn heard(&mut self) {
-        if let Some(since) = self.since.take()
-            && self.credit < self.full
-            && since.elapsed() <= SPIN_WINDOW
-        {
-            self.credit = self.full;
+        if !answer || self.full == 0 {
+            return false;
         }
+        if self.credit > 0 {
+            return true;
+        }
+        if self.skip > 0 {
+            self.skip -= 1;
+            return false;
+        }
+        true
+    }
+
+    /// The spin caught the answer.
+    fn caught(&mut self) {
+        self.credit = self.full;
+        self.backoff = 0;
+        self.skip = 0;
+    }
+
+    /// The spin found nothing: the Receiver parks.
+    fn missed(&mut self) {
+        if self.credit > 0 {
+            self.credit -= 1;
+            if self.credit > 0 {
+                return;
+            }
+        }
+        self.backoff = (self.backoff * 2).clamp(1, SPIN_BACKOFF);
+        self.skip = self.backoff;
     }
 }
 
@@ -866,7 +884,9 @@ impl ReadState {
                 Ok(n) => {
                     self.clock.read(n);
                     self.heard += 1;
-                    self.spin.heard();
+                    if spin_until.take().is_some() {
+                        self.spin.caught();
+                    }
                     continue;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -892,7 +912,6 @@ impl ReadState {
                 return Poll::Pending;
             }
             let now = Instant::now();
-            self.spin.waiting(now);
             match spin_until {
                 None if !spun && self.spin.pays(sh.written.load(Ordering::Relaxed)) => {
                     spun = true;
@@ -911,7 +930,7 @@ impl ReadState {
                 Some(_) => {
                     // Nothing came: park.
                     spin_until = None;
-                    self.spin.credit -= 1;
+                    self.spin.missed();
                 }
                 None => {}
             }
@@ -1428,12 +1447,6 @@ mod tests {
         assert_eq!(cpus_in_list("x"), None);
     }
 
-    /// A wait of `ago` that ended now.
-    fn waited(spin: &mut Spin, ago: Duration) {
-        spin.since = Some(Instant::now() - ago);
-        spin.heard();
-    }
-
     #[test]
     fn spins_only_for_an_answer() {
         let mut spin = Spin::new(true);
@@ -1445,30 +1458,52 @@ mod tests {
         assert!(spin.pays(128));
     }
 
+    /// How many of `waits` answer waits spin when every spin finds nothing.
+    fn spins_missing(spin: &mut Spin, written: &mut u64, waits: usize) -> usize {
+        let mut spun = 0;
+        for _ in 0..waits {
+            *written += 64;
+            if spin.pays(*written) {
+                spun += 1;
+                spin.missed();
+            }
+        }
+        spun
+    }
+
     #[test]
-    fn long_waits_use_up_the_credit_and_a_short_one_restores_it() {
+    fn spins_that_miss_back_off_and_one_that_catches_restores_the_credit() {
         let mut spin = Spin::new(true);
         let mut written = 0;
-        for _ in 0..SPIN_CREDIT {
+        // The credit, then tries after 1, 2, 4 .. SPIN_BACKOFF waits.
+        let backoffs: Vec<usize> = std::iter::successors(Some(1), |b| Some(b * 2))
+            .take_while(|&b| b <= usize::from(SPIN_BACKOFF))
+            .collect();
+        let waits = usize::from(SPIN_CREDIT) + backoffs.iter().map(|b| b + 1).sum::<usize>();
+        assert_eq!(
+            spins_missing(&mut spin, &mut written, waits),
+            usize::from(SPIN_CREDIT) + backoffs.len()
+        );
+        // From then on one try per SPIN_BACKOFF + 1 waits: an idle client, or a peer on
+        // this thread.
+        let period = usize::from(SPIN_BACKOFF) + 1;
+        assert_eq!(spins_missing(&mut spin, &mut written, period * 10), 10);
+        // A try that catches the answer: full credit, no back-off.
+        let mut spun = 0;
+        while spun == 0 {
             written += 64;
-            assert!(spin.pays(written));
-            // The spin found nothing, and the answer came much later.
-            spin.credit -= 1;
-            waited(&mut spin, Duration::from_millis(5));
+            if spin.pays(written) {
+                spun += 1;
+                spin.caught();
+            }
         }
-        written += 64;
-        assert!(!spin.pays(written), "an idle connection stops spinning");
-        // It parked, and the answer came within the window: spinning pays again.
-        waited(&mut spin, Duration::from_micros(50));
-        written += 64;
-        assert!(spin.pays(written));
-        assert_eq!(spin.credit, SPIN_CREDIT);
+        assert_eq!(spins_missing(&mut spin, &mut written, 3), 3);
     }
 
     #[test]
     fn off_never_spins() {
         let mut spin = Spin::new(false);
-        waited(&mut spin, Duration::ZERO);
+        spin.caught();
         assert!(!spin.pays(64));
     }
 }
