@@ -377,10 +377,11 @@ impl ContextBuilder {
     ///
     /// Default off: `shm://` and `inproc://` spin for 20 µs (when the peer runs on another
     /// thread), then park; `tcp://` on the inline engine spins for 20 µs (non-blocking
-    /// `recv`s a microsecond apart) only when it waits for an answer (it wrote since it last
-    /// waited); after three spins that caught nothing it parks at once, trying a spin again
-    /// after 1, 2, 4 .. 64 waits, until one catches the answer; on a machine with one CPU it
-    /// parks at once. A spinning wait holds its runtime thread for up to those 20 µs.
+    /// `recv`s a microsecond apart, yielding its thread to the OS in between) only when it
+    /// waits for an answer (it wrote since it last waited); after three spins that caught
+    /// nothing it parks at once, trying a spin again after 1, 2, 4 .. 64 waits, until one
+    /// catches the answer; on a machine with one CPU it parks at once. A spinning wait holds
+    /// its runtime thread for up to those 20 µs.
     pub fn busy_poll(mut self, on: bool) -> Self {
         self.cfg.busy_poll = on;
         self

@@ -723,7 +723,7 @@ fn cpus_in_list(list: &str) -> Option<usize> {
     })
 }
 
-/// The pause between two `recv`s of a spinning Receiver.
+/// The pause between two `recv`s of a spinning Receiver (a `sched_yield`, then a spin).
 const SPIN_GAP: Duration = Duration::from_micros(1);
 
 /// Spins that find nothing before the Receiver parks at once.
@@ -920,8 +920,12 @@ impl ReadState {
                 }
                 Some(until) if now < until => {
                     // Ask the kernel again after a pause: a `recv` takes the socket's lock,
-                    // which the peer's packets need too.
+                    // which the peer's packets need too. The pause begins with a
+                    // `sched_yield`: on a host with more runnable threads than cores the
+                    // spin gives its core to them (the peer among them) instead of holding
+                    // it; with nothing else to run it returns at once.
                     let next = (now + SPIN_GAP).min(until);
+                    std::thread::yield_now();
                     while Instant::now() < next {
                         std::hint::spin_loop();
                     }
