@@ -246,6 +246,29 @@ fn a_peer_that_dies_fails_the_run_without_hanging() {
     assert!(stdout.contains("FAILED"), "{stdout}");
 }
 
+/// `--buffers 1`: one body sent again and again (as iperf3 does), said in the JSON and in
+/// the memcpy baseline, which copies from as many buffers as the sender sends.
+#[test]
+fn one_buffer_again_and_again() {
+    let json = tmp("buffers.jsonl");
+    let out = run(hf()
+        .args(["bench", "--transport", "inproc", "--pattern", "bw"])
+        .args(["--size", "64KiB", "--duration", "0.2", "--warmup", "0.05s"])
+        .args(["--buffers", "1", "--json"])
+        .arg(&json));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("memcpy of 64 KiB from 1 buffer again and again"),
+        "{stdout}"
+    );
+    let points = json_lines(&json);
+    assert_eq!(points.len(), 1);
+    assert_eq!(points[0]["buffers"], 1);
+    assert_eq!(points[0]["verified"], true);
+    let _ = std::fs::remove_file(json);
+}
+
 #[test]
 fn bad_command_lines_exit_2() {
     for args in [
@@ -256,6 +279,9 @@ fn bad_command_lines_exit_2() {
         &["--transport", "carrier-pigeon"],
         &["--pin", "0,1,2"],
         &["--connect", "nonsense"],
+        &["--buffers", "3"],
+        &["--buffers", "0"],
+        &["--buffers", "128"],
     ] {
         let out = run(hf().arg("bench").args(args));
         assert_eq!(

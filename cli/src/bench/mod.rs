@@ -103,6 +103,13 @@ pub(crate) struct BenchArgs {
     #[arg(long)]
     verify: bool,
 
+    /// Distinct heap buffers the sender sends in turn, a power of two up to 64 (the memcpy
+    /// baseline copies from as many): 8 keeps large bodies out of the caches, as an
+    /// application's fresh data would be; 1 sends one buffer again and again, hot in the
+    /// cache, as iperf3 does.
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    buffers: usize,
+
     /// Send bodies in device memory: cuda (device 0), cuda:N, or stand-in (host memory
     /// handled as a device); the peer lands them on the same kind of device. Their content
     /// is checked on the first of each point only (a copy back per body would be the
@@ -269,8 +276,15 @@ fn settings(args: &BenchArgs) -> Result<Settings, Failure> {
             "bad --rate {r}: expected messages per second above 0"
         )));
     }
+    if !(args.buffers.is_power_of_two() && args.buffers <= 64) {
+        return Err(Failure::usage(format!(
+            "bad --buffers {}: expected a power of two from 1 to 64",
+            args.buffers
+        )));
+    }
     Ok(Settings {
         duration: Duration::from_secs_f64(args.duration),
+        buffers: args.buffers,
         warmup: parse_warmup(&args.warmup)?,
         verify: args.verify,
         zero_copy: args.zero_copy,
@@ -523,11 +537,11 @@ async fn available(ctx: &Context, transport: &str) -> Result<(), String> {
 
 // ---------------------------------------------------------------------- the runner
 
-/// memcpy in this process, in GB/s, from the same working set the sender uses (eight
-/// `size` buffers in turn, so large ones come from memory, not the cache) into one buffer:
-/// the ceiling for a transport that copies once.
-fn memcpy_gbytes_per_s(size: usize) -> f64 {
-    let sources: Vec<Vec<u8>> = (0..8)
+/// memcpy in this process, in GB/s, from the same working set the sender uses (`buffers`
+/// `size` buffers in turn: by default eight, so large ones come from memory, not the cache)
+/// into one buffer: the ceiling for a transport that copies once.
+fn memcpy_gbytes_per_s(size: usize, buffers: usize) -> f64 {
+    let sources: Vec<Vec<u8>> = (0..buffers)
         .map(|_| {
             let mut v = vec![0u8; size];
             stats::fill(&mut v);
@@ -537,8 +551,8 @@ fn memcpy_gbytes_per_s(size: usize) -> f64 {
     let mut dst = vec![0u8; size];
     let started = Instant::now();
     let mut n = 0usize;
-    while started.elapsed() < Duration::from_millis(300) || n < 8 {
-        dst.copy_from_slice(std::hint::black_box(&sources[n % 8]));
+    while started.elapsed() < Duration::from_millis(300) || n < buffers {
+        dst.copy_from_slice(std::hint::black_box(&sources[n % buffers]));
         std::hint::black_box(&dst);
         n += 1;
     }
@@ -686,6 +700,7 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
                         outcome,
                         busy_poll: args.busy_poll,
                         zero_copy: args.zero_copy,
+                        buffers: args.buffers,
                         device: args.device.clone(),
                         offered: args.rate,
                     };
@@ -734,10 +749,14 @@ async fn run(args: &BenchArgs) -> Result<(), Failure> {
             ),
             None => (
                 format!(
-                    "memcpy of {} from 8 buffers in turn, in one process",
-                    report::size_label(size)
+                    "memcpy of {} from {}, in one process",
+                    report::size_label(size),
+                    match settings.buffers {
+                        1 => "1 buffer again and again".to_string(),
+                        n => format!("{n} buffers in turn"),
+                    }
                 ),
-                Ok(memcpy_gbytes_per_s(size)),
+                Ok(memcpy_gbytes_per_s(size, settings.buffers)),
             ),
         };
         match gbytes_per_s {
@@ -803,6 +822,9 @@ fn settings_label(args: &BenchArgs) -> String {
     }
     if args.zero_copy {
         parts.push("zero-copy".into());
+    }
+    if args.buffers != 8 {
+        parts.push(format!("{} buffers", args.buffers));
     }
     if let Some(d) = &args.device {
         parts.push(format!("device bodies ({d})"));

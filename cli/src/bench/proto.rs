@@ -82,6 +82,8 @@ pub(crate) struct Settings {
     /// Fill bodies in memory from `Sender::alloc` (the transport's own) instead of sending
     /// heap buffers.
     pub(crate) zero_copy: bool,
+    /// Distinct heap buffers sent in turn (a power of two; `--buffers`).
+    pub(crate) buffers: usize,
     /// Fixed offered load, messages per second.
     pub(crate) rate: Option<f64>,
     /// Bodies in memory of this device (`--device`).
@@ -300,19 +302,17 @@ pub(crate) async fn serve_channel(mut ch: Channel) -> Result<(), Failed> {
 /// Bodies to send: a few heap buffers holding the pattern (reused, as an application reuses
 /// its buffers), or, with zero copy, memory from the transport filled in place each time.
 struct Bodies {
-    /// [`BODIES`] host buffers, or device memory with `--device`.
+    /// [`Settings::buffers`] host buffers, or device memory with `--device`.
     heap: Vec<Body>,
     size: usize,
     zero_copy: bool,
 }
 
-/// Distinct buffers sent in turn: enough that large ones do not all stay in the cache. A
-/// power of two, so picking one is a mask, not a division per message.
-const BODIES: usize = 8;
-
 impl Bodies {
     fn new(size: usize, s: &Settings) -> Result<Bodies, Failed> {
-        let count = if s.zero_copy { 0 } else { BODIES };
+        // A power of two (`--buffers` checks it), so picking one is a mask, not a division
+        // per message.
+        let count = if s.zero_copy { 0 } else { s.buffers };
         let heap = match &s.device {
             Some(gpu) => super::device::bodies(gpu, size, count, stats::fill)?,
             None => (0..count)
@@ -354,7 +354,11 @@ impl Bodies {
     /// The message `seq` on one of the reused buffers (not with zero copy).
     #[inline]
     fn reused(&self, kind: &MsgType, seq: u64) -> Message {
-        Self::build(kind, self.heap[seq as usize % BODIES].clone(), seq)
+        Self::build(
+            kind,
+            self.heap[seq as usize & (self.heap.len() - 1)].clone(),
+            seq,
+        )
     }
 
     #[inline]

@@ -14,6 +14,8 @@ pub(crate) struct Row {
     pub(crate) outcome: Outcome,
     pub(crate) busy_poll: bool,
     pub(crate) zero_copy: bool,
+    /// `--buffers`: distinct heap buffers the sender sent in turn.
+    pub(crate) buffers: usize,
     /// `--device`, as given.
     pub(crate) device: Option<String>,
     pub(crate) offered: Option<f64>,
@@ -64,6 +66,7 @@ impl Row {
             "cpu": {"user_s": micro(o.cpu.user_s), "sys_s": micro(o.cpu.sys_s)},
             "busy_poll": self.busy_poll,
             "zero_copy": self.zero_copy,
+            "buffers": self.buffers,
             "device": self.device,
             "verified": o.verified,
             "offered_msgs_per_s": self.offered,
@@ -196,6 +199,7 @@ mod tests {
             },
             busy_poll: false,
             zero_copy: true,
+            buffers: 8,
             device: None,
             offered: None,
         }
@@ -216,6 +220,7 @@ mod tests {
             "cpu",
             "busy_poll",
             "zero_copy",
+            "buffers",
             "verified",
         ] {
             assert!(v.get(key).is_some(), "no {key} in {v}");
