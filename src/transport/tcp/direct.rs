@@ -685,7 +685,7 @@ pub(super) struct ReadState {
 /// left the Receiver parks at once, and tries a spin again after 1, 2, 4 .. [`SPIN_BACKOFF`]
 /// waits (back to full credit if that try catches the answer). So an idle client of a
 /// server, or a peer on the same runtime thread (which cannot answer while this thread
-/// spins), costs one spin per [`SPIN_BACKOFF`] waits once the credit is spent.
+/// spins), costs one spin per [`SPIN_BACKOFF`] + 1 waits once the credit is spent.
 struct Spin {
     /// Spins left that may find nothing.
     credit: u8,
