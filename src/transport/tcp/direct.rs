@@ -911,27 +911,27 @@ impl ReadState {
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
-            let now = Instant::now();
             match spin_until {
                 None if !spun && self.spin.pays(sh.written.load(Ordering::Relaxed)) => {
                     spun = true;
-                    spin_until = Some(now + SPIN);
+                    spin_until = Some(Instant::now() + SPIN);
                     continue;
                 }
-                Some(until) if now < until => {
-                    // Ask the kernel again after a pause: a `recv` takes the socket's lock,
-                    // which the peer's packets need too. The pause begins with a
-                    // `sched_yield`: on a host with more runnable threads than cores the
-                    // spin gives its core to them (the peer among them) instead of holding
-                    // it; with nothing else to run it returns at once.
-                    let next = (now + SPIN_GAP).min(until);
-                    std::thread::yield_now();
-                    while Instant::now() < next {
-                        std::hint::spin_loop();
+                Some(until) => {
+                    let now = Instant::now();
+                    if now < until {
+                        // Ask the kernel again after a pause: a `recv` takes the socket's
+                        // lock, which the peer's packets need too. The pause begins with a
+                        // `sched_yield`: on a host with more runnable threads than cores the
+                        // spin gives its core to them (the peer among them) instead of
+                        // holding it; with nothing else to run it returns at once.
+                        let next = (now + SPIN_GAP).min(until);
+                        std::thread::yield_now();
+                        while Instant::now() < next {
+                            std::hint::spin_loop();
+                        }
+                        continue;
                     }
-                    continue;
-                }
-                Some(_) => {
                     // Nothing came: park.
                     spin_until = None;
                     self.spin.missed();
