@@ -242,6 +242,32 @@ async fn filter_errors_of_the_inner_service_pass_through() {
     assert_eq!(err.to_string(), "broken");
 }
 
+/// A filter without a fallback (reject, discard) and a schema answer with futures no larger
+/// than the handler's own: the cases they add take the handler future's spare values for
+/// their tag instead of a word in front of it (which would copy every answer out shifted).
+#[test]
+fn filter_and_schema_futures_are_the_size_of_the_handlers() {
+    type Answer = std::future::Ready<Result<Option<Message>, BoxError>>;
+    fn handler()
+    -> impl Service<Message, Response = Option<Message>, Error = BoxError, Future = Answer> {
+        service_fn(|m: Message| std::future::ready(Ok::<_, BoxError>(Some(m))))
+    }
+    fn future_size<S: Service<Message>>(mut svc: S) -> usize {
+        std::mem::size_of_val(&svc.call(m("a.b.c")))
+    }
+    let schema = || MetaSchemaLayer::new(MetaSchema::builder().build().unwrap());
+    let filter = || TypeFilterLayer::new(["a.*.*"]).unwrap();
+    let answer = std::mem::size_of::<Answer>();
+    assert_eq!(future_size(filter().layer(handler())), answer);
+    assert_eq!(future_size(filter().discard().layer(handler())), answer);
+    assert_eq!(future_size(schema().layer(handler())), answer);
+    let stack = ServiceBuilder::new()
+        .layer(filter())
+        .layer(schema())
+        .service(handler());
+    assert_eq!(future_size(stack), answer);
+}
+
 #[tokio::test]
 async fn router_dispatches_first_match_then_fallback() {
     let (video, mut video_h) = mock::pair::<Message, Option<Message>>();

@@ -46,6 +46,7 @@ where
 {
     type Output = Result<T, BoxError>;
 
+    #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
             KindProj::Inner { future } => Poll::Ready(ready!(future.poll(cx)).map_err(Into::into)),

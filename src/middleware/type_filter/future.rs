@@ -65,6 +65,7 @@ where
 {
     type Output = Result<T, BoxError>;
 
+    #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
             KindProj::Inner { future } => Poll::Ready(ready!(future.poll(cx)).map_err(Into::into)),
@@ -76,6 +77,31 @@ where
                 .expect("ResponseFuture polled after completion"))),
             KindProj::Discarded { default } => Poll::Ready(Ok(default())),
         }
+    }
+}
+
+/// The fallback future of a filter without a fallback ([`Reject`](super::Reject),
+/// [`Discard`](super::Discard)): it cannot be made, so [`ResponseFuture`]'s fallback case
+/// takes no room. (With the inner service's future type in its place, the two cases could not
+/// share the inner future's spare values for the case tag: a tag word would go in front of
+/// the inner future and every answer would be copied out of it shifted by a word, which the
+/// next whole-value copy reads back with store-forwarding stalls.)
+pub struct NoFallback<T, E> {
+    never: std::convert::Infallible,
+    _answer: std::marker::PhantomData<fn() -> Result<T, E>>,
+}
+
+impl<T, E> Future for NoFallback<T, E> {
+    type Output = Result<T, E>;
+
+    fn poll(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.never {}
+    }
+}
+
+impl<T, E> std::fmt::Debug for NoFallback<T, E> {
+    fn fmt(&self, _f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.never {}
     }
 }
 

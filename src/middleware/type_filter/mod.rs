@@ -52,7 +52,7 @@ use std::time::Duration;
 use tower::Service;
 
 pub use self::error::Unmatched;
-use self::future::ResponseFuture;
+use self::future::{NoFallback, ResponseFuture};
 pub use self::layer::TypeFilterLayer;
 use super::BoxError;
 use super::decisions::Decisions;
@@ -274,7 +274,7 @@ where
 {
     type Response = S::Response;
     type Error = BoxError;
-    type Future = ResponseFuture<S::Response, S::Future, S::Future>;
+    type Future = ResponseFuture<S::Response, S::Future, NoFallback<S::Response, S::Error>>;
 
     #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
@@ -299,7 +299,7 @@ where
 {
     type Response = S::Response;
     type Error = BoxError;
-    type Future = ResponseFuture<S::Response, S::Future, S::Future>;
+    type Future = ResponseFuture<S::Response, S::Future, NoFallback<S::Response, S::Error>>;
 
     #[inline]
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
