@@ -4,10 +4,9 @@
 //! Every service here that decides by type alone (a [`TypeFilter`](super::TypeFilter)'s match,
 //! a [`MetaSchema`](super::MetaSchema)'s naming rule, a [`Router`](super::Router)'s route)
 //! keeps one of these: `call` takes `&mut self`, so the cache is private to the service, needs
-//! no atomics, and is rebuilt by each clone. A miss costs the comparisons (each ends at the
-//! length or the first differing word) and then the same matcher as without a cache.
+//! no atomics, and is rebuilt by each clone. A miss costs the comparisons (three words for
+//! two inline names, else the bytes) and then the same matcher as without a cache.
 
-use super::pattern::same;
 use crate::message::MsgType;
 
 /// How many types are remembered: a handler usually sees one to a handful.
@@ -33,9 +32,8 @@ impl<T: Copy> Decisions<T> {
     /// depend on the type only, and always answer the same for it.
     #[inline]
     pub(crate) fn get(&mut self, kind: &MsgType, decide: impl FnOnce(&MsgType) -> T) -> T {
-        let name = kind.as_str().as_bytes();
         for (known, decision) in self.entries.iter().flatten() {
-            if same(known.as_str().as_bytes(), name) {
+            if known == kind {
                 return *decision;
             }
         }
