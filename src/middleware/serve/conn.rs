@@ -190,7 +190,14 @@ where
             && !draining
             && let Poll::Ready(next) = poll_fn(|cx| Poll::Ready(rx.poll_next_unpin(cx))).await
         {
-            received(next, &mut waiting, &mut reading, &mut outcome);
+            match next {
+                Some(Ok(msg)) => waiting = Some(msg),
+                Some(Err(e)) => {
+                    reading = false;
+                    outcome = Err(e);
+                }
+                None => reading = false,
+            }
         }
         // The common case without a turn of the select below: a received message whose
         // handler is ready is called at once, and a call that finishes at its first poll
@@ -254,7 +261,15 @@ where
                 }
             },
             next = rx.recv(), if accepting => {
-                received(next, &mut waiting, &mut reading, &mut outcome);
+                match next {
+                    Some(Ok(msg)) => waiting = Some(msg),
+                    Some(Err(e)) => {
+                        // Finish what is in flight (its replies will likely fail too), then end.
+                        reading = false;
+                        outcome = Err(e);
+                    }
+                    None => reading = false,
+                }
                 None
             }
             () = &mut stop, if listening && !draining => {
@@ -289,25 +304,6 @@ where
         Err(e) if e.is_closed() => Ok(()),
         other => other,
     })
-}
-
-/// Takes what a receive gave: a message to handle, or the end of reading (on an error, kept
-/// as the outcome: what is in flight is finished first, its replies will likely fail too).
-#[inline(always)]
-fn received(
-    next: Option<Result<Message>>,
-    waiting: &mut Option<Message>,
-    reading: &mut bool,
-    outcome: &mut Result<()>,
-) {
-    match next {
-        Some(Ok(msg)) => *waiting = Some(msg),
-        Some(Err(e)) => {
-            *reading = false;
-            *outcome = Err(e);
-        }
-        None => *reading = false,
-    }
 }
 
 /// Calls the service with `msg`, keeping what the reply needs from the request.
