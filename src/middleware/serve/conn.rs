@@ -179,26 +179,6 @@ where
         {
             draining = seen.has_changed().is_err() || *seen.borrow_and_update();
         }
-        // An idle channel's next message, taken without a turn of the select below: with
-        // nothing in flight and nothing waiting, the select would take it from the same
-        // branch (the ones before it are off, the shutdown branch comes after it), having
-        // polled the others for nothing. Pending, the select polls it again.
-        if waiting.is_none()
-            && first.is_none()
-            && in_flight.is_empty()
-            && reading
-            && !draining
-            && let Poll::Ready(next) = poll_fn(|cx| Poll::Ready(rx.poll_next_unpin(cx))).await
-        {
-            match next {
-                Some(Ok(msg)) => waiting = Some(msg),
-                Some(Err(e)) => {
-                    reading = false;
-                    outcome = Err(e);
-                }
-                None => reading = false,
-            }
-        }
         // The common case without a turn of the select below: a received message whose
         // handler is ready is called at once, and a call that finishes at its first poll
         // (a handler that does not wait) is answered at once.
