@@ -31,6 +31,11 @@ struct InlineName {
     len: u8,
 }
 
+// What `InlineName::words` reads: 24 bytes, no padding, aligned to 8. A change of
+// `INLINE_LEN` must change `words` too.
+const _: () =
+    assert!(std::mem::size_of::<InlineName>() == 24 && std::mem::align_of::<InlineName>() == 8);
+
 impl InlineName {
     /// The name and its length as a word and a double word. Equal words are equal names:
     /// `from_valid`, the one constructor, zeroes the buffer past the name.
@@ -420,9 +425,10 @@ mod tests {
 
     #[test]
     fn equal_exactly_when_the_names_are_whatever_the_storage() {
-        // Names that differ in one byte at each place the word compare reads (first word,
-        // second, the length byte), and the same names stored every way a type can be.
-        let names: [&'static str; 9] = [
+        // Names that differ in one byte at each place the word compare reads (the first
+        // word; the double word's first half, its second half up to byte 22, the length
+        // byte), and the same names stored every way a type can be.
+        let names: [&'static str; 11] = [
             "a",
             "b",
             "ab",
@@ -431,6 +437,8 @@ mod tests {
             "bench.data.chunK",
             "cench.data.chunk",
             "ml.splitter.output.xyz",
+            "ml.splitter.output.xya",
+            "ml.splitter.outpuT.xyz",
             "ml.splitter.output.xyzw.long",
         ];
         let ways = |n: &'static str| {
