@@ -235,7 +235,7 @@ impl MsgType {
 
 impl PartialEq for MsgType {
     /// Two inline names (every name of up to [`MsgType::INLINE_LEN`] bytes but a
-    /// `from_static` one) compare as three words; the others by their bytes.
+    /// `from_static` one) compare as a word and a double word; the others by their bytes.
     #[inline]
     fn eq(&self, other: &Self) -> bool {
         match (&self.0, &other.0) {

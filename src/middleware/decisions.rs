@@ -4,8 +4,9 @@
 //! Every service here that decides by type alone (a [`TypeFilter`](super::TypeFilter)'s match,
 //! a [`MetaSchema`](super::MetaSchema)'s naming rule, a [`Router`](super::Router)'s route)
 //! keeps one of these: `call` takes `&mut self`, so the cache is private to the service, needs
-//! no atomics, and is rebuilt by each clone. A miss costs the comparisons (three words for
-//! two inline names, else the bytes) and then the same matcher as without a cache.
+//! no atomics, and is rebuilt by each clone. A miss costs the comparisons (a word and a
+//! double word for two inline names, else the bytes) and then the same matcher as without a
+//! cache.
 
 use crate::message::MsgType;
 

@@ -65,6 +65,9 @@ Examples:
 On loopback, tls uses throwaway certificates made for the run (both ends present one:
 mutual TLS), unless --cert, --key and --ca are given.";
 
+/// `--buffers` by default: enough distinct bodies that large ones come from memory.
+const BUFFERS: usize = 8;
+
 /// Arguments of `hf bench`.
 #[derive(Debug, Args)]
 pub(crate) struct BenchArgs {
@@ -107,7 +110,7 @@ pub(crate) struct BenchArgs {
     /// baseline copies from as many): 8 keeps large bodies out of the caches, as an
     /// application's fresh data would be; 1 sends one buffer again and again, hot in the
     /// cache, as iperf3 does.
-    #[arg(long, value_name = "N", default_value_t = 8)]
+    #[arg(long, value_name = "N", default_value_t = BUFFERS)]
     buffers: usize,
 
     /// Send bodies in device memory: cuda (device 0), cuda:N, or stand-in (host memory
@@ -823,7 +826,7 @@ fn settings_label(args: &BenchArgs) -> String {
     if args.zero_copy {
         parts.push("zero-copy".into());
     }
-    if args.buffers != 8 {
+    if args.buffers != BUFFERS {
         parts.push(format!("{} buffers", args.buffers));
     }
     if let Some(d) = &args.device {
